@@ -1,0 +1,417 @@
+//! Errors: one small enum per operation.
+//!
+//! Messages are lowercase fragments that do not repeat their source; print the chain
+//! (`{:#}` with anyhow, or walk `source()`) for the whole story. Every rank failure is a
+//! [`RankFailure`] that names the rank, its pid, the cause, the last lines of its stderr
+//! and the message from its `error.json`; when several ranks fail, the earliest is the
+//! root cause (torchrun's rule).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rankexec_protocol::ErrorClass;
+use rankexec_protocol::wire::message::RankError;
+use rankexec_protocol::wire::{Channel, PackError};
+
+use crate::admission::AdmissionError;
+use crate::config::ConfigError;
+use crate::os::{ExitStatus, TermSignal};
+
+/// An error a rank reported over the protocol (its component failed or panicked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteError(pub RankError);
+
+impl fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.0.message, self.0.class)
+    }
+}
+
+impl std::error::Error for RemoteError {}
+
+/// What went wrong with a rank.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FailureCause {
+    /// The process ended.
+    Exited(ExitStatus),
+    /// The kernel's OOM killer killed it.
+    OomKilled,
+    /// A rank we did not spawn closed a connection (its process is gone).
+    ConnectionClosed(Channel),
+    /// Its component failed or panicked, as the rank reported.
+    Reported(RankError),
+    /// It stopped sending heartbeats.
+    Unresponsive(Duration),
+    /// It broke the protocol.
+    Protocol {
+        /// On which channel.
+        channel: Channel,
+        /// What it did.
+        what: String,
+    },
+}
+
+/// One rank's failure, with everything known about it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankFailure {
+    /// The rank.
+    pub rank: u32,
+    /// Its process id, if known.
+    pub pid: Option<u32>,
+    /// What happened.
+    pub cause: FailureCause,
+    /// The last lines of its stderr.
+    pub stderr_tail: Vec<String>,
+    /// The message from its torchrun-style `error.json`, if it left one.
+    pub error_file: Option<String>,
+    /// When, since the group started (the earliest failure is the root cause).
+    pub after: Duration,
+}
+
+impl RankFailure {
+    /// How the rank failed.
+    pub fn class(&self) -> ErrorClass {
+        match &self.cause {
+            FailureCause::Exited(ExitStatus::Code(_)) => ErrorClass::ExitCode,
+            FailureCause::Exited(ExitStatus::Signal { .. }) => ErrorClass::Signal,
+            FailureCause::Exited(ExitStatus::Unknown) | FailureCause::ConnectionClosed(_) => {
+                ErrorClass::ExitCode
+            }
+            FailureCause::OomKilled => ErrorClass::OutOfMemory,
+            FailureCause::Reported(e) => e.class,
+            FailureCause::Unresponsive(_) => ErrorClass::Timeout,
+            FailureCause::Protocol { .. } => ErrorClass::Protocol,
+        }
+    }
+
+    /// A multi-line report: the failure, then its stderr tail.
+    pub fn report(&self) -> String {
+        let mut s = format!("rank {}: {self}", self.rank);
+        if !self.stderr_tail.is_empty() {
+            s.push_str(&format!(
+                "\n  last {} lines of stderr:",
+                self.stderr_tail.len()
+            ));
+            for l in &self.stderr_tail {
+                s.push_str("\n    ");
+                s.push_str(l);
+            }
+        }
+        s
+    }
+}
+
+impl fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let who = match self.pid {
+            Some(pid) => format!("pid {pid}"),
+            None => "the rank".to_owned(),
+        };
+        match &self.cause {
+            FailureCause::Exited(ExitStatus::Code(c)) => write!(f, "{who} exited with code {c}")?,
+            FailureCause::Exited(st @ ExitStatus::Signal { .. }) => {
+                write!(f, "{who} was killed by {st}")?
+            }
+            FailureCause::Exited(ExitStatus::Unknown) => write!(f, "{who} exited")?,
+            FailureCause::OomKilled => write!(f, "{who} was killed by the kernel OOM killer")?,
+            FailureCause::ConnectionClosed(ch) => {
+                write!(f, "{who} closed its {} channel (process gone)", ch.as_str())?
+            }
+            FailureCause::Reported(e) => write!(f, "{}: {}", e.class, e.message)?,
+            FailureCause::Unresponsive(d) => write!(f, "{who} sent no heartbeat for {d:.1?}")?,
+            FailureCause::Protocol { channel, what } => write!(
+                f,
+                "{who} broke the protocol on the {} channel: {what}",
+                channel.as_str()
+            )?,
+        }
+        if let Some(msg) = &self.error_file {
+            write!(f, "; error.json: {msg}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for RankFailure {}
+
+/// Why the group could not start.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StartError {
+    /// The executor was finalized.
+    #[error("the executor is finalized")]
+    Finalized,
+    /// The configuration is invalid.
+    #[error("invalid configuration")]
+    Config(#[from] ConfigError),
+    /// Resources did not allow it.
+    #[error("admission refused")]
+    Admission(#[source] AdmissionError),
+    /// The private run directory could not be made.
+    #[error("cannot prepare the run directory")]
+    RunDir(#[source] Arc<std::io::Error>),
+    /// The log directory could not be made.
+    #[error("cannot prepare the log directory {path}")]
+    LogDir {
+        /// The directory.
+        path: String,
+        /// Why.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// The listener could not be created.
+    #[error("cannot listen on {endpoint}")]
+    Listen {
+        /// Where.
+        endpoint: String,
+        /// Why.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// A process could not be spawned.
+    #[error("cannot spawn {what} `{program}`")]
+    Spawn {
+        /// `rank N` or `the launcher`.
+        what: String,
+        /// The program.
+        program: String,
+        /// Why.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// A rank failed while starting (exited before hello, crashed, broke the protocol).
+    #[error("rank {} failed during start-up", .0.rank)]
+    RankFailed(#[source] Box<RankFailure>),
+    /// A rank could not build its components.
+    #[error("rank {rank} could not build its components")]
+    Build {
+        /// The rank.
+        rank: u32,
+        /// What it reported.
+        #[source]
+        error: RemoteError,
+    },
+    /// The external launcher exited before every rank was ready.
+    #[error("the launcher exited with {status} before every rank was ready")]
+    LauncherExited {
+        /// How it exited.
+        status: ExitStatus,
+        /// The last lines it printed.
+        tail: Vec<String>,
+    },
+    /// The deadline passed.
+    #[error("start-up did not complete within {timeout:?}: {missing}")]
+    Timeout {
+        /// The deadline.
+        timeout: Duration,
+        /// What was still missing.
+        missing: String,
+    },
+    /// Start-up was interrupted by a finalize or job abort.
+    #[error("start-up was aborted")]
+    Aborted,
+    /// The dispatcher thread is gone (a bug).
+    #[error("the executor's dispatcher thread is gone")]
+    DispatcherGone,
+}
+
+/// Why combining the ranks' results failed (`gather` policy).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GatherError {
+    /// A rank did not return a blob to average.
+    #[error("rank {rank} returned no blob `{name}`")]
+    MissingBlob {
+        /// The rank.
+        rank: u32,
+        /// The blob.
+        name: String,
+    },
+    /// Blob sizes differ between ranks.
+    #[error("rank {rank}'s blob `{name}` has {len} bytes, rank 0's has {expected}")]
+    LengthMismatch {
+        /// The rank.
+        rank: u32,
+        /// The blob.
+        name: String,
+        /// Its length.
+        len: usize,
+        /// Rank 0's length.
+        expected: usize,
+    },
+    /// A blob is not a whole number of `f32`s.
+    #[error("blob `{name}` has {len} bytes, not a multiple of 4 (f32)")]
+    NotF32 {
+        /// The blob.
+        name: String,
+        /// Its length.
+        len: usize,
+    },
+    /// A rank did not report its weight.
+    #[error("rank {rank} returned no numeric meta `{key}`")]
+    MissingWeight {
+        /// The rank.
+        rank: u32,
+        /// The key.
+        key: String,
+    },
+    /// The weights add up to zero or less.
+    #[error("the weights `{key}` add up to {total}")]
+    ZeroWeight {
+        /// The key.
+        key: String,
+        /// Their sum.
+        total: f64,
+    },
+}
+
+/// Why a task failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ExecuteError {
+    /// A rank failed; `others` are later failures (collateral or independent).
+    #[error("rank {} failed", failure.rank)]
+    RankFailed {
+        /// The root cause: the earliest failure.
+        #[source]
+        failure: Box<RankFailure>,
+        /// Other ranks that failed afterwards.
+        others: Vec<RankFailure>,
+    },
+    /// The task was aborted; `forced` when ranks did not return within the grace and the
+    /// group was killed (the next task relaunches it).
+    #[error("task `{task}` was aborted ({reason}){}", if *.forced { "; ranks did not stop in time and the group was killed" } else { "" })]
+    Aborted {
+        /// The task.
+        task: String,
+        /// Why.
+        reason: String,
+        /// Whether the group had to be killed.
+        forced: bool,
+    },
+    /// The task deadline passed; the group was torn down.
+    #[error("task `{task}` did not finish within {timeout:?} (still running: ranks {pending:?})")]
+    Timeout {
+        /// The task.
+        task: String,
+        /// The deadline.
+        timeout: Duration,
+        /// Ranks that had not returned.
+        pending: Vec<u32>,
+    },
+    /// The group could not be (re)started.
+    #[error("cannot start the rank group")]
+    Start(#[source] StartError),
+    /// Relaunches are used up.
+    #[error("giving up after {restarts} relaunches")]
+    RestartsExhausted {
+        /// How many relaunches were made.
+        restarts: u32,
+        /// The last failure.
+        #[source]
+        last: Box<ExecuteError>,
+    },
+    /// The results could not be combined.
+    #[error("cannot combine the ranks' results")]
+    Gather(#[source] GatherError),
+    /// The input could not be sent.
+    #[error("cannot send the task input")]
+    Input(#[source] Arc<PackError>),
+    /// The executor was finalized.
+    #[error("the executor is finalized")]
+    Finalized,
+    /// The dispatcher thread is gone (a bug).
+    #[error("the executor's dispatcher thread is gone")]
+    DispatcherGone,
+}
+
+impl ExecuteError {
+    /// How the task failed.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            ExecuteError::RankFailed { failure, .. } => failure.class(),
+            ExecuteError::Aborted { .. } | ExecuteError::Finalized => ErrorClass::Aborted,
+            ExecuteError::Timeout { .. } => ErrorClass::Timeout,
+            ExecuteError::RestartsExhausted { last, .. } => last.class(),
+            ExecuteError::Start(StartError::RankFailed(f)) => f.class(),
+            ExecuteError::Start(StartError::Build { error, .. }) => error.0.class,
+            ExecuteError::Start(StartError::Timeout { .. }) => ErrorClass::Timeout,
+            ExecuteError::Start(StartError::Aborted) => ErrorClass::Aborted,
+            ExecuteError::Start(_)
+            | ExecuteError::Gather(_)
+            | ExecuteError::Input(_)
+            | ExecuteError::DispatcherGone => ErrorClass::Exception,
+        }
+    }
+
+    /// The rank failure at the root of this error, if there is one.
+    pub fn root_cause(&self) -> Option<&RankFailure> {
+        match self {
+            ExecuteError::RankFailed { failure, .. } => Some(failure),
+            ExecuteError::RestartsExhausted { last, .. } => last.root_cause(),
+            ExecuteError::Start(StartError::RankFailed(f)) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+/// Why an event could not be delivered to the ranks.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EventError {
+    /// A rank's handler failed.
+    #[error("rank {rank} failed to handle event `{event}`")]
+    Rank {
+        /// The rank.
+        rank: u32,
+        /// The event.
+        event: String,
+        /// What it reported.
+        #[source]
+        error: RemoteError,
+    },
+    /// Some ranks did not acknowledge in time; the group was torn down.
+    #[error("event `{event}` was not acknowledged within {timeout:?} by ranks {pending:?}")]
+    Timeout {
+        /// The event.
+        event: String,
+        /// The deadline.
+        timeout: Duration,
+        /// Ranks that did not answer.
+        pending: Vec<u32>,
+    },
+    /// A rank failed while the event was in flight.
+    #[error("rank {} failed while event `{event}` was delivered", failure.rank)]
+    RankFailed {
+        /// The event.
+        event: String,
+        /// The failure.
+        #[source]
+        failure: Box<RankFailure>,
+    },
+    /// The group could not start (START_RUN).
+    #[error("cannot start the rank group")]
+    Start(#[source] StartError),
+    /// The executor was finalized.
+    #[error("the executor is finalized")]
+    Finalized,
+    /// The dispatcher thread is gone (a bug).
+    #[error("the executor's dispatcher thread is gone")]
+    DispatcherGone,
+}
+
+/// What a finalize did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FinalizeReport {
+    /// How long teardown took.
+    pub elapsed: Duration,
+    /// The strongest signal that had to be sent (`None`: every rank exited on `Close`).
+    pub escalated: Option<TermSignal>,
+    /// Pids still present after `SIGKILL` and the final wait (e.g. stuck in the kernel).
+    pub unkillable: Vec<u32>,
+}
+
+/// Why finalize could not run.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FinalizeError {
+    /// The dispatcher thread is gone (a bug).
+    #[error("the executor's dispatcher thread is gone")]
+    DispatcherGone,
+}

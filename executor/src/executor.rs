@@ -1,0 +1,288 @@
+//! `MultiProcessExecutor`: FLARE's multi-process executor, done right.
+//!
+//! A host (a federated client) calls it like any [`Executor`]. On `START_RUN` it
+//! launches `num_of_processes` ranks and keeps them alive across tasks; every task is
+//! fanned out to all ranks and rank 0's result is returned (or all results are combined,
+//! see [`ResultPolicy`](crate::ResultPolicy)); events travel both ways; `END_RUN`
+//! reaches the ranks and then the group is torn down.
+//!
+//! ```no_run
+//! use rankexec_executor::{ExecutorConfig, MultiProcessExecutor};
+//! use rankexec_protocol::{EventType, FlComponent, FlContext, Shareable, Signal};
+//!
+//! let cfg = ExecutorConfig::simple(4, "Echo", serde_json::Value::Null);
+//! let exec = MultiProcessExecutor::new(cfg)?;
+//! let mut ctx = FlContext::new();
+//! exec.handle_event(&EventType::START_RUN, &mut ctx)?;
+//! let out = exec.run_task("train", Shareable::new().with_meta("round", 1), &mut ctx, &Signal::new())?;
+//! assert_eq!(out.meta("rank").and_then(|v| v.as_i64()), Some(0));
+//! exec.handle_event(&EventType::END_RUN, &mut ctx)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Caveats
+//!
+//! - **A rank that hangs** is found by the task deadline (busy) or the heartbeat
+//!   deadline (idle); the whole group is torn down and the error names the rank.
+//! - **The host process is `SIGKILL`ed**: ranks spawned by the built-in launcher get
+//!   `SIGKILL` from the kernel (`PR_SET_PDEATHSIG`), and every rank (also under
+//!   torchrun, mpirun or srun) sees its connections close and exits at once. Nothing
+//!   waits on a timer.
+//! - **The host panics**: the dispatcher thread is unaffected; dropping the executor
+//!   (unwinding) tears the group down. If the panic aborts the process, see the point above.
+//! - **Dropping** the executor without `END_RUN` tears the group down, bounded by the
+//!   shutdown grace, the term grace and two seconds.
+//! - **Processes that survive `SIGKILL`** (stuck in the kernel, e.g. in a GPU driver
+//!   call) are reported in [`FinalizeReport::unkillable`] after a bounded wait instead of
+//!   blocking teardown forever.
+//! - **Children of ranks** are in the ranks' process group and are signalled with them;
+//!   a child that moves to another group or session is not (use a cgroup if you need
+//!   that guarantee).
+//! - The library installs **no signal handler**; binaries decide (see
+//!   [`killswitch::kill_all`](crate::killswitch::kill_all)).
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Sender, bounded};
+use rankexec_protocol::{
+    ComponentError, EventType, Executor, FlComponent, FlContext, Shareable, Signal, keys,
+};
+
+use crate::admission::Admission;
+use crate::config::{ConfigError, ExecutorConfig, resolve_program};
+use crate::dispatcher::{Command, Dispatcher, EventCmd, ExecuteCmd, Status};
+use crate::error::{EventError, ExecuteError, FinalizeError, FinalizeReport, StartError};
+
+struct Handle {
+    tx: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Runs every task on a group of rank processes. See the module docs.
+pub struct MultiProcessExecutor {
+    cfg: Arc<ExecutorConfig>,
+    handle: Mutex<Handle>,
+}
+
+impl std::fmt::Debug for MultiProcessExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultiProcessExecutor")
+            .field("executor_id", &self.cfg.executor_id)
+            .field("num_of_processes", &self.cfg.num_of_processes)
+            .finish()
+    }
+}
+
+impl MultiProcessExecutor {
+    /// Validates the configuration and starts the dispatcher thread (no ranks yet).
+    pub fn new(cfg: ExecutorConfig) -> Result<Self, ConfigError> {
+        let cfg = Arc::new(cfg);
+        let admission = Admission::new(cfg.clone());
+        Self::with_admission(cfg, admission)
+    }
+
+    /// Like [`new`](Self::new), with a custom admission (probes and ledger).
+    pub fn with_admission(
+        cfg: Arc<ExecutorConfig>,
+        admission: Admission,
+    ) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        let program = resolve_program(&cfg.worker.program)
+            .map_err(|m| ConfigError::new("worker.program", m))?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let dispatcher = Dispatcher::new(cfg.clone(), program, rx, admission);
+        // This thread spawns the ranks, so it must live as long as the executor: the
+        // ranks' PR_SET_PDEATHSIG fires when the thread that forked them exits.
+        let thread = std::thread::Builder::new()
+            .name(format!("rx-dispatch-{}", cfg.executor_id))
+            .spawn(move || dispatcher.run())
+            .map_err(|e| {
+                ConfigError::new(
+                    "executor",
+                    format!("cannot start the dispatcher thread: {e}"),
+                )
+            })?;
+        Ok(MultiProcessExecutor {
+            cfg,
+            handle: Mutex::new(Handle {
+                tx,
+                thread: Some(thread),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ExecutorConfig {
+        &self.cfg
+    }
+
+    fn send(&self, cmd: Command) -> bool {
+        self.handle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .tx
+            .send(cmd)
+            .is_ok()
+    }
+
+    /// Launches the group (what `START_RUN` does) and waits until every rank is ready.
+    pub fn start(&self, ctx: &FlContext) -> Result<(), StartError> {
+        let (reply, rx) = bounded(1);
+        if !self.send(Command::Start {
+            props: ctx.props().clone(),
+            engine: ctx.engine().cloned(),
+            reply,
+        }) {
+            return Err(StartError::DispatcherGone);
+        }
+        rx.recv().unwrap_or(Err(StartError::DispatcherGone))
+    }
+
+    /// Runs `task` on every rank and returns the result (rank 0's, or the combined one).
+    /// Rank 0's context is merged into `ctx` by the merge rule of [`FlContext`].
+    pub fn run_task(
+        &self,
+        task: &str,
+        input: Shareable,
+        ctx: &mut FlContext,
+        abort: &Signal,
+    ) -> Result<Shareable, ExecuteError> {
+        let (reply, rx) = bounded(1);
+        if !self.send(Command::Execute(ExecuteCmd {
+            task: task.to_owned(),
+            input,
+            props: ctx.props().clone(),
+            abort: abort.clone(),
+            reply,
+        })) {
+            return Err(ExecuteError::DispatcherGone);
+        }
+        let (out, props) = rx.recv().unwrap_or(Err(ExecuteError::DispatcherGone))?;
+        for conflict in ctx.merge_from(props) {
+            tracing::warn!(task, "{conflict}");
+        }
+        Ok(out)
+    }
+
+    /// Delivers `event` to every rank and waits for all acknowledgements; rank 0's
+    /// context is merged into `ctx`.
+    pub fn fire_to_ranks(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), EventError> {
+        let (reply, rx) = bounded(1);
+        if !self.send(Command::Event(EventCmd {
+            event: event.clone(),
+            props: ctx.props().clone(),
+            reply,
+        })) {
+            return Err(EventError::DispatcherGone);
+        }
+        let props = rx.recv().unwrap_or(Err(EventError::DispatcherGone))?;
+        for conflict in ctx.merge_from(props) {
+            tracing::warn!(event = %event, "{conflict}");
+        }
+        Ok(())
+    }
+
+    /// Stops the group (close, grace, `SIGTERM`, grace, `SIGKILL`, reap), bounded and
+    /// idempotent. A later task or `START_RUN` launches a new group.
+    pub fn finalize(&self) -> Result<FinalizeReport, FinalizeError> {
+        let (reply, rx) = bounded(1);
+        if !self.send(Command::Finalize { reply }) {
+            return Err(FinalizeError::DispatcherGone);
+        }
+        rx.recv().map_err(|_| FinalizeError::DispatcherGone)
+    }
+
+    /// Stops the group to free its resources; the next task relaunches it (used when
+    /// more clients share a host than it can hold at once).
+    pub fn park(&self) {
+        let (reply, rx) = bounded(1);
+        if self.send(Command::Park { reply }) {
+            let _ = rx.recv();
+        }
+    }
+
+    /// The group's state and processes.
+    pub fn status(&self) -> Status {
+        let (reply, rx) = bounded(1);
+        if !self.send(Command::Status { reply }) {
+            return Status::default();
+        }
+        rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default()
+    }
+
+    /// The pids of the group's live processes (ranks, and a launcher if there is one).
+    pub fn live_pids(&self) -> Vec<u32> {
+        self.status()
+            .processes
+            .iter()
+            .filter(|p| p.status.is_none())
+            .map(|p| p.pid)
+            .collect()
+    }
+}
+
+impl FlComponent for MultiProcessExecutor {
+    fn handle_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), ComponentError> {
+        // Events that came up from our own ranks are not sent back down (loop guard).
+        if ctx
+            .get_prop(keys::EVENT_ORIGIN_SITE)
+            .and_then(|v| v.as_str())
+            == Some("rank")
+        {
+            return Ok(());
+        }
+        let wrap = |e: &dyn std::error::Error, class| {
+            let mut text = e.to_string();
+            let mut cur = e.source();
+            while let Some(s) = cur {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                cur = s.source();
+            }
+            ComponentError::new(class, text)
+        };
+        if *event == EventType::START_RUN {
+            self.start(ctx)
+                .map_err(|e| wrap(&e, rankexec_protocol::ErrorClass::Exception))?;
+        }
+        let relayed = self.fire_to_ranks(event, ctx);
+        if *event == EventType::END_RUN {
+            let report = self
+                .finalize()
+                .map_err(|e| wrap(&e, rankexec_protocol::ErrorClass::Exception))?;
+            if !report.unkillable.is_empty() {
+                tracing::error!(pids = ?report.unkillable, "processes survived SIGKILL");
+            }
+        }
+        relayed.map_err(|e| wrap(&e, rankexec_protocol::ErrorClass::Exception))
+    }
+}
+
+impl Executor for MultiProcessExecutor {
+    fn execute(
+        &self,
+        task: &str,
+        input: Shareable,
+        ctx: &mut FlContext,
+        abort: &Signal,
+    ) -> Result<Shareable, ComponentError> {
+        self.run_task(task, input, ctx, abort).map_err(|e| {
+            let class = e.class();
+            ComponentError::new(class, format!("multi-process task `{task}` failed")).with_source(e)
+        })
+    }
+}
+
+impl Drop for MultiProcessExecutor {
+    fn drop(&mut self) {
+        let mut h = self.handle.lock().unwrap_or_else(PoisonError::into_inner);
+        // Closing the command channel makes the dispatcher tear down and exit.
+        let (tx, _) = crossbeam_channel::unbounded();
+        drop(std::mem::replace(&mut h.tx, tx));
+        if let Some(t) = h.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

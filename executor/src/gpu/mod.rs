@@ -1,0 +1,13 @@
+//! GPUs: inventory through NVML and placement of ranks.
+//!
+//! - [`inventory`]: [`Inventory`], [`GpuInfo`], the [`GpuProbe`] trait.
+//! - [`nvml`]: [`NvmlProbe`], which degrades to "no GPUs" with NVML's reason.
+//! - [`placement`]: where each rank goes ([`place`]).
+
+pub mod inventory;
+pub mod nvml;
+pub mod placement;
+
+pub use inventory::{FixedInventory, GpuInfo, GpuProbe, Inventory};
+pub use nvml::NvmlProbe;
+pub use placement::{NotNow, Placement, PlacementError, PlacementRequest, place};

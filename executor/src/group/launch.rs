@@ -1,0 +1,311 @@
+//! Starting a group's processes: the built-in launcher or an external one.
+//!
+//! **Built-in**: rank 0 is spawned as the leader of a new process group
+//! (`process_group(0)`) and ranks 1..N join it, so one `killpg` reaches every rank and
+//! anything they start. The ranks are spawned by the executor's dispatcher thread, which
+//! lives as long as the executor: `PR_SET_PDEATHSIG` (which the rank requests) fires when
+//! the spawning *thread* exits, so spawning from a short-lived thread would kill ranks
+//! early.
+//!
+//! **External** (torchrun, mpirun, srun, any command): one launcher process is spawned
+//! as the leader of a new group, from an argv template (no shell, so no quoting bugs).
+//! Its ranks are not our children: each one reports its pid and process group in its
+//! hello, and teardown signals those too (torchrun and mpirun give every rank its own
+//! group).
+//!
+//! Ranks get the environment contract of [`rankexec_protocol::env`], plus a superset of
+//! torchrun's variables (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT`, `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`, `OMP_NUM_THREADS=1`
+//! unless set, `CUDA_VISIBLE_DEVICES`, `CUDA_DEVICE_ORDER=PCI_BUS_ID`,
+//! `TORCHELASTIC_ERROR_FILE`).
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use rankexec_protocol::env::vars;
+
+use super::output::{Source, Stream};
+use super::process::{ProcessTable, Role};
+use super::watch::ExitWatcher;
+use crate::config::{EnvConfig, LauncherConfig};
+use crate::error::StartError;
+
+/// Everything needed to start one group.
+pub(crate) struct LaunchPlan {
+    pub(crate) program: PathBuf,
+    pub(crate) args: Vec<String>,
+    pub(crate) world: u32,
+    /// Set for every process.
+    pub(crate) common: BTreeMap<String, String>,
+    /// Set for rank N (built-in launcher only).
+    pub(crate) per_rank: Vec<BTreeMap<String, String>>,
+    pub(crate) env: EnvConfig,
+    pub(crate) launcher: LauncherConfig,
+    pub(crate) master_addr: String,
+    pub(crate) master_port: u16,
+    pub(crate) log_dir: PathBuf,
+}
+
+/// What was started.
+pub(crate) struct Launched {
+    pub(crate) pipes: Vec<(Source, Stream, OwnedFd)>,
+    /// The group the built-in launcher made, or the launcher's own.
+    pub(crate) pgid: u32,
+}
+
+fn spawn_error(what: String, program: &Path, e: std::io::Error) -> StartError {
+    StartError::Spawn {
+        what,
+        program: program.display().to_string(),
+        source: Arc::new(e),
+    }
+}
+
+fn apply_env(cmd: &mut Command, plan: &LaunchPlan, extra: Option<&BTreeMap<String, String>>) {
+    if !plan.env.inherit {
+        cmd.env_clear();
+        for k in &plan.env.allow {
+            if let Some(v) = std::env::var_os(k) {
+                cmd.env(k, v);
+            }
+        }
+    }
+    // Never pass on our own contract variables if this host is itself a rank.
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if k.starts_with("RANKEXEC_") || k == vars::ERROR_FILE {
+            cmd.env_remove(k.as_ref());
+        }
+    }
+    let host_has = |k: &str| plan.env.inherit && std::env::var_os(k).is_some();
+    for (k, v) in [
+        ("OMP_NUM_THREADS", "1"),
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+    ] {
+        if !host_has(k) && !plan.env.set.contains_key(k) {
+            cmd.env(k, v);
+        }
+    }
+    cmd.envs(&plan.env.set);
+    cmd.envs(&plan.common);
+    if let Some(extra) = extra {
+        cmd.envs(extra);
+    }
+}
+
+fn take_pipes(
+    child: &mut std::process::Child,
+    src: Source,
+    out: &mut Vec<(Source, Stream, OwnedFd)>,
+) {
+    if let Some(o) = child.stdout.take() {
+        out.push((src, Stream::Stdout, OwnedFd::from(o)));
+    }
+    if let Some(e) = child.stderr.take() {
+        out.push((src, Stream::Stderr, OwnedFd::from(e)));
+    }
+}
+
+fn track(
+    table: &ProcessTable,
+    watcher: &ExitWatcher,
+    role: Role,
+    pid: u32,
+    pgid: u32,
+) -> std::io::Result<()> {
+    let (index, fd) = table.add(role, pid, pgid, true)?;
+    watcher.watch(index, fd);
+    Ok(())
+}
+
+/// Starts the processes. Call from the dispatcher thread only (see the module docs).
+pub(crate) fn launch(
+    plan: &LaunchPlan,
+    table: &ProcessTable,
+    watcher: &ExitWatcher,
+) -> Result<Launched, StartError> {
+    let mut pipes = Vec::new();
+    match &plan.launcher {
+        LauncherConfig::Builtin => {
+            let mut pgid = 0u32;
+            for rank in 0..plan.world {
+                let mut cmd = Command::new(&plan.program);
+                cmd.args(&plan.args)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .process_group(pgid as i32);
+                apply_env(&mut cmd, plan, plan.per_rank.get(rank as usize));
+                let mut child = cmd
+                    .spawn()
+                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
+                let pid = child.id();
+                if rank == 0 {
+                    pgid = pid;
+                }
+                take_pipes(&mut child, Source::Rank(rank), &mut pipes);
+                // The watcher reaps through the pidfd; std's `Child` neither waits nor
+                // kills on drop.
+                drop(child);
+                track(table, watcher, Role::Rank(rank), pid, pgid)
+                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
+            }
+            Ok(Launched { pipes, pgid })
+        }
+        other => {
+            let argv = expand(other, plan);
+            let (prog, rest) = argv.split_first().ok_or_else(|| {
+                spawn_error(
+                    "the launcher".into(),
+                    &plan.program,
+                    std::io::Error::other("empty launcher command"),
+                )
+            })?;
+            let mut cmd = Command::new(prog);
+            cmd.args(rest)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0);
+            apply_env(&mut cmd, plan, None);
+            let mut child = cmd
+                .spawn()
+                .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
+            let pid = child.id();
+            take_pipes(&mut child, Source::Launcher, &mut pipes);
+            drop(child);
+            track(table, watcher, Role::Launcher, pid, pid)
+                .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
+            Ok(Launched { pipes, pgid: pid })
+        }
+    }
+}
+
+/// The argv template of a launcher.
+pub(crate) fn template(launcher: &LauncherConfig) -> Vec<String> {
+    let with = |head: &[&str], extra: &[String], tail: &[&str]| -> Vec<String> {
+        head.iter()
+            .map(|s| s.to_string())
+            .chain(extra.iter().cloned())
+            .chain(tail.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    match launcher {
+        LauncherConfig::Builtin => vec!["{program}".into(), "{args}".into()],
+        LauncherConfig::Torchrun { extra_args } => with(
+            &[
+                "torchrun",
+                "--no-python",
+                "--nnodes=1",
+                "--nproc-per-node={nproc}",
+                "--master-addr={master_addr}",
+                "--master-port={master_port}",
+                "--log-dir={log_dir}/torchrun",
+            ],
+            extra_args,
+            &["{program}", "{args}"],
+        ),
+        LauncherConfig::Mpirun { extra_args } => with(
+            &["mpirun", "-np", "{nproc}"],
+            extra_args,
+            &["{program}", "{args}"],
+        ),
+        LauncherConfig::Srun { extra_args } => with(
+            &["srun", "--ntasks={nproc}", "--kill-on-bad-exit=1"],
+            extra_args,
+            &["{program}", "{args}"],
+        ),
+        LauncherConfig::Command { argv, .. } => argv.clone(),
+    }
+}
+
+/// Expands a launcher's template for this plan.
+pub(crate) fn expand(launcher: &LauncherConfig, plan: &LaunchPlan) -> Vec<String> {
+    let mut out = Vec::new();
+    for a in template(launcher) {
+        if a == "{args}" {
+            out.extend(plan.args.iter().cloned());
+            continue;
+        }
+        out.push(
+            a.replace("{nproc}", &plan.world.to_string())
+                .replace("{master_addr}", &plan.master_addr)
+                .replace("{master_port}", &plan.master_port.to_string())
+                .replace("{program}", &plan.program.display().to_string())
+                .replace("{log_dir}", &plan.log_dir.display().to_string()),
+        );
+    }
+    out
+}
+
+/// The rank-number source an external launcher implies.
+pub(crate) fn rank_source(launcher: &LauncherConfig) -> Option<&str> {
+    match launcher {
+        LauncherConfig::Builtin => Some("rankexec"),
+        LauncherConfig::Torchrun { .. } => Some("torchrun"),
+        LauncherConfig::Mpirun { .. } => Some("openmpi"),
+        LauncherConfig::Srun { .. } => Some("slurm"),
+        LauncherConfig::Command { rank_source, .. } => rank_source.as_deref(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(launcher: LauncherConfig) -> LaunchPlan {
+        LaunchPlan {
+            program: PathBuf::from("/opt/w"),
+            args: vec!["worker".into(), "--x".into()],
+            world: 4,
+            common: BTreeMap::new(),
+            per_rank: Vec::new(),
+            env: EnvConfig::default(),
+            launcher,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29501,
+            log_dir: PathBuf::from("/logs"),
+        }
+    }
+
+    #[test]
+    fn templates_expand_without_a_shell() {
+        let p = plan(LauncherConfig::Mpirun {
+            extra_args: vec!["--oversubscribe".into()],
+        });
+        assert_eq!(
+            expand(&p.launcher, &p),
+            [
+                "mpirun",
+                "-np",
+                "4",
+                "--oversubscribe",
+                "/opt/w",
+                "worker",
+                "--x"
+            ]
+        );
+        let p = plan(LauncherConfig::Torchrun { extra_args: vec![] });
+        let argv = expand(&p.launcher, &p);
+        assert!(argv.contains(&"--nproc-per-node=4".to_string()));
+        assert!(argv.contains(&"--master-port=29501".to_string()));
+        let p = plan(LauncherConfig::Command {
+            argv: vec![
+                "env".into(),
+                "A=a b#c".into(),
+                "{program}".into(),
+                "{args}".into(),
+            ],
+            rank_source: None,
+        });
+        assert_eq!(
+            expand(&p.launcher, &p),
+            ["env", "A=a b#c", "/opt/w", "worker", "--x"]
+        );
+    }
+}

@@ -1,0 +1,264 @@
+//! Rank output: every rank's stdout and stderr, captured through pipes.
+//!
+//! One thread polls every pipe. Each line goes to `LOG_DIR/rank-N/stdout.log` or
+//! `stderr.log` and into the host's log as a `tracing` event with the rank number
+//! (target `rankexec::rank`), like torchrun's `--tee` with a `[rankN]:` prefix. The
+//! last [`TAIL_LINES`] lines of each rank's stderr are kept for error reports.
+//! Output of an external launcher goes to `LOG_DIR/launcher/`.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::os::{self, Waker};
+
+/// Lines of stderr kept per rank for error reports.
+pub const TAIL_LINES: usize = 20;
+const MAX_LINE: usize = 16 << 10;
+
+/// Whose output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Source {
+    Rank(u32),
+    Launcher,
+}
+
+/// Which stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    fn name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tail {
+    lines: VecDeque<String>,
+    open: u8,
+}
+
+/// The last stderr lines of each source.
+#[derive(Default)]
+pub(crate) struct Tails {
+    state: Mutex<HashMap<Source, Tail>>,
+    cv: Condvar,
+}
+
+impl Tails {
+    /// The last lines of `src`'s stderr, waiting up to `wait` for its pipes to close so
+    /// that a dying rank's final words are included.
+    pub(crate) fn tail(&self, src: Source, wait: Duration) -> Vec<String> {
+        let deadline = Instant::now() + wait;
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let open = st.get(&src).map_or(0, |t| t.open);
+            let now = Instant::now();
+            if open == 0 || now >= deadline {
+                return st
+                    .get(&src)
+                    .map(|t| t.lines.iter().cloned().collect())
+                    .unwrap_or_default();
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    fn opened(&self, src: Source) {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(src)
+            .or_default()
+            .open += 1;
+    }
+
+    fn closed(&self, src: Source) {
+        if let Some(t) = self
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(&src)
+        {
+            t.open = t.open.saturating_sub(1);
+        }
+        self.cv.notify_all();
+    }
+
+    fn push(&self, src: Source, line: &str) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let t = st.entry(src).or_default();
+        if t.lines.len() == TAIL_LINES {
+            t.lines.pop_front();
+        }
+        t.lines.push_back(line.to_owned());
+    }
+}
+
+struct Pipe {
+    src: Source,
+    stream: Stream,
+    reader: File,
+    file: Option<File>,
+    partial: Vec<u8>,
+}
+
+/// Handle to the pump thread. Dropping it makes the thread read what is already
+/// buffered and stop.
+pub(crate) struct OutputPump {
+    waker: Arc<Waker>,
+    stop: Arc<AtomicBool>,
+    tails: Arc<Tails>,
+}
+
+impl OutputPump {
+    /// Starts pumping `pipes` into files under `dir`, tagging log lines with `label`.
+    pub(crate) fn start(
+        pipes: Vec<(Source, Stream, OwnedFd)>,
+        dir: &Path,
+        label: String,
+    ) -> std::io::Result<OutputPump> {
+        let tails = Arc::new(Tails::default());
+        let mut open = Vec::with_capacity(pipes.len());
+        for (src, stream, fd) in pipes {
+            let sub = match src {
+                Source::Rank(r) => dir.join(format!("rank-{r}")),
+                Source::Launcher => dir.join("launcher"),
+            };
+            std::fs::create_dir_all(&sub)?;
+            let file = File::options()
+                .create(true)
+                .append(true)
+                .open(sub.join(format!("{}.log", stream.name())))?;
+            tails.opened(src);
+            open.push(Pipe {
+                src,
+                stream,
+                reader: File::from(fd),
+                file: Some(file),
+                partial: Vec::new(),
+            });
+        }
+        let waker = Arc::new(Waker::new()?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (w, s, t) = (waker.clone(), stop.clone(), tails.clone());
+        let span = tracing::Span::current();
+        std::thread::Builder::new()
+            .name("rx-output".into())
+            .spawn(move || span.in_scope(|| pump(open, &w, &s, &t, &label)))?;
+        Ok(OutputPump { waker, stop, tails })
+    }
+
+    /// The stderr tails.
+    pub(crate) fn tails(&self) -> Arc<Tails> {
+        self.tails.clone()
+    }
+}
+
+impl Drop for OutputPump {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.waker.wake();
+    }
+}
+
+fn emit(p: &mut Pipe, line: &[u8], tails: &Tails, label: &str) {
+    let text = String::from_utf8_lossy(line);
+    let text = text.trim_end_matches('\r');
+    if let Some(f) = p.file.as_mut() {
+        let _ = f
+            .write_all(text.as_bytes())
+            .and_then(|()| f.write_all(b"\n"));
+    }
+    match p.src {
+        Source::Rank(rank) if p.stream == Stream::Stderr => {
+            tracing::info!(target: "rankexec::rank", rank, "{text}");
+        }
+        Source::Rank(rank) => {
+            tracing::info!(target: "rankexec::rank", rank, stream = "stdout", "{text}");
+        }
+        Source::Launcher => {
+            tracing::info!(target: "rankexec::launcher", launcher = label, stream = p.stream.name(), "{text}");
+        }
+    }
+    if p.stream == Stream::Stderr {
+        tails.push(p.src, text);
+    }
+}
+
+/// Reads what is available; returns false at end of file.
+fn read_some(p: &mut Pipe, tails: &Tails, label: &str) -> bool {
+    let mut buf = [0u8; 64 << 10];
+    let n = match p.reader.read(&mut buf) {
+        Ok(n) => n,
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return true,
+        Err(_) => 0,
+    };
+    if n == 0 {
+        if !p.partial.is_empty() {
+            let line = std::mem::take(&mut p.partial);
+            emit(p, &line, tails, label);
+        }
+        return false;
+    }
+    p.partial.extend_from_slice(&buf[..n]);
+    while let Some(pos) = p.partial.iter().position(|b| *b == b'\n') {
+        let line: Vec<u8> = p.partial.drain(..=pos).collect();
+        emit(p, &line[..line.len() - 1], tails, label);
+    }
+    if p.partial.len() > MAX_LINE {
+        let line = std::mem::take(&mut p.partial);
+        emit(p, &line, tails, label);
+    }
+    true
+}
+
+fn pump(mut pipes: Vec<Pipe>, waker: &Waker, stop: &AtomicBool, tails: &Tails, label: &str) {
+    while !pipes.is_empty() {
+        let stopping = stop.load(Ordering::SeqCst);
+        let ready = {
+            let mut fds: Vec<BorrowedFd<'_>> = vec![waker.fd()];
+            fds.extend(pipes.iter().map(|p| p.reader.as_fd()));
+            let timeout = if stopping { Some(Duration::ZERO) } else { None };
+            match os::poll_readable(&fds, timeout) {
+                Ok(r) => r,
+                Err(_) => break,
+            }
+        };
+        if ready[0] {
+            waker.drain();
+        }
+        let mut done = Vec::new();
+        for (i, p) in pipes.iter_mut().enumerate() {
+            if ready[i + 1] && !read_some(p, tails, label) {
+                done.push(i);
+            }
+        }
+        for i in done.into_iter().rev() {
+            let p = pipes.remove(i);
+            tails.closed(p.src);
+        }
+        if stopping && !ready.iter().skip(1).any(|r| *r) {
+            break;
+        }
+    }
+    for p in pipes {
+        tails.closed(p.src);
+    }
+}

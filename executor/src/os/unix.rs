@@ -1,0 +1,267 @@
+//! Process facts from the OS, for the executor.
+//!
+//! - **pidfds** ([pidfd_open(2)](https://man7.org/linux/man-pages/man2/pidfd_open.2.html)):
+//!   a descriptor that becomes readable when its process exits. One thread polls every
+//!   rank's pidfd, so exits are seen at once without polling on a timer, and a pidfd
+//!   always names the process it was opened for, even after its pid is reused.
+//! - **reaping** with `waitid(P_PIDFD, WEXITED | WNOHANG)`: only for our own children.
+//! - **signals** to a process through its pidfd (race-free) and to a process group with
+//!   `killpg` ([killpg(3)](https://man7.org/linux/man-pages/man3/killpg.3.html)).
+//! - **an eventfd** to wake a thread blocked in `poll`.
+//! - **the cgroup `oom_kill` counter**, to tell an OOM-killer death from any other
+//!   `SIGKILL` without parsing logs.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
+use rustix::process::{PidfdFlags, WaitId, WaitIdOptions};
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// It exited with this code.
+    Code(i32),
+    /// A signal killed it.
+    Signal {
+        /// The signal number.
+        signal: i32,
+        /// Whether it dumped core.
+        core_dumped: bool,
+    },
+    /// It is gone, but it was not our child, so its status is unknown.
+    Unknown,
+}
+
+impl ExitStatus {
+    /// Whether the process exited with code 0.
+    pub fn success(&self) -> bool {
+        matches!(self, ExitStatus::Code(0))
+    }
+
+    /// The signal that killed it, if one did.
+    pub fn signal(&self) -> Option<i32> {
+        match self {
+            ExitStatus::Signal { signal, .. } => Some(*signal),
+            _ => None,
+        }
+    }
+}
+
+/// The name of a signal number (`SIGKILL`), or `signal N`.
+pub fn signal_name(signal: i32) -> String {
+    Signal::try_from(signal).map_or_else(|_| format!("signal {signal}"), |s| s.as_str().to_owned())
+}
+
+impl fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitStatus::Code(c) => write!(f, "exit code {c}"),
+            ExitStatus::Signal {
+                signal,
+                core_dumped,
+            } => {
+                write!(f, "signal {signal} ({})", signal_name(*signal))?;
+                if *core_dumped {
+                    f.write_str(", core dumped")?;
+                }
+                Ok(())
+            }
+            ExitStatus::Unknown => f.write_str("an unknown status (not our child)"),
+        }
+    }
+}
+
+/// The signals teardown sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TermSignal {
+    /// `SIGTERM`: please exit.
+    Term,
+    /// `SIGKILL`: exit now.
+    Kill,
+}
+
+impl TermSignal {
+    fn nix(self) -> Signal {
+        match self {
+            TermSignal::Term => Signal::SIGTERM,
+            TermSignal::Kill => Signal::SIGKILL,
+        }
+    }
+
+    fn rustix(self) -> rustix::process::Signal {
+        match self {
+            TermSignal::Term => rustix::process::Signal::TERM,
+            TermSignal::Kill => rustix::process::Signal::KILL,
+        }
+    }
+
+    /// The signal's name.
+    pub fn name(self) -> &'static str {
+        self.nix().as_str()
+    }
+}
+
+/// Opens a pidfd for `pid`.
+pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "pid 0"))?;
+    Ok(rustix::process::pidfd_open(pid, PidfdFlags::empty())?)
+}
+
+/// Reaps our exited child without blocking; `Ok(None)` if it is still running.
+pub(crate) fn reap(pidfd: &OwnedFd) -> io::Result<Option<ExitStatus>> {
+    let status = rustix::process::waitid(
+        WaitId::PidFd(pidfd.as_fd()),
+        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
+    )?;
+    Ok(status.and_then(|s| {
+        if let Some(code) = s.exit_status() {
+            Some(ExitStatus::Code(code))
+        } else {
+            s.terminating_signal().map(|signal| ExitStatus::Signal {
+                signal,
+                core_dumped: s.dumped(),
+            })
+        }
+    }))
+}
+
+/// Signals one process through its pidfd.
+pub(crate) fn signal_pidfd(pidfd: &OwnedFd, sig: TermSignal) -> io::Result<()> {
+    Ok(rustix::process::pidfd_send_signal(pidfd, sig.rustix())?)
+}
+
+/// Signals every process of a group.
+pub(crate) fn signal_group(pgid: u32, sig: TermSignal) -> io::Result<()> {
+    nix::sys::signal::killpg(Pid::from_raw(pgid as i32), sig.nix()).map_err(io::Error::from)
+}
+
+/// Our pid.
+pub(crate) fn own_pid() -> u32 {
+    std::process::id()
+}
+
+/// Wakes a thread blocked in [`poll_readable`].
+pub(crate) struct Waker {
+    fd: OwnedFd,
+}
+
+impl Waker {
+    pub(crate) fn new() -> io::Result<Waker> {
+        Ok(Waker {
+            fd: rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+        })
+    }
+
+    /// Makes the waker readable.
+    pub(crate) fn wake(&self) {
+        let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
+    }
+
+    /// Resets it.
+    pub(crate) fn drain(&self) {
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(&self.fd, &mut buf);
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// Waits until any of `fds` is readable (or hung up); returns which are. `None` waits
+/// without a deadline: callers always include a [`Waker`] so they can be stopped.
+pub(crate) fn poll_readable(
+    fds: &[BorrowedFd<'_>],
+    timeout: Option<Duration>,
+) -> io::Result<Vec<bool>> {
+    let mut pfds: Vec<PollFd<'_>> = fds
+        .iter()
+        .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
+        .collect();
+    let ts = timeout.map(|d| Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: d.subsec_nanos() as i64,
+    });
+    loop {
+        match rustix::event::poll(&mut pfds, ts.as_ref()) {
+            Ok(_) => break,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(pfds.iter().map(|p| !p.revents().is_empty()).collect())
+}
+
+/// How many times the kernel's OOM killer has killed a process in our cgroup (v2), or
+/// `None` when that cannot be read.
+pub(crate) fn oom_kill_count() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    // cgroup v2: a single line "0::/path".
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let events =
+        std::fs::read_to_string(format!("/sys/fs/cgroup{}/memory.events", path.trim())).ok()?;
+    events
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+    use std::time::Instant;
+
+    #[test]
+    #[expect(
+        clippy::zombie_processes,
+        reason = "reaped through the pidfd, not Child::wait"
+    )]
+    fn pidfd_sees_exit_and_reaps_status() {
+        let child = Command::new("sh").args(["-c", "exit 7"]).spawn().unwrap();
+        let fd = pidfd_open(child.id()).unwrap();
+        let ready = poll_readable(&[fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
+        assert!(ready[0]);
+        assert_eq!(reap(&fd).unwrap(), Some(ExitStatus::Code(7)));
+    }
+
+    #[test]
+    #[expect(
+        clippy::zombie_processes,
+        reason = "reaped through the pidfd, not Child::wait"
+    )]
+    fn group_signal_reaches_every_member() {
+        let child = Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30; wait"])
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let fd = pidfd_open(child.id()).unwrap();
+        assert_eq!(reap(&fd).unwrap(), None, "still running");
+        signal_group(child.id(), TermSignal::Kill).unwrap();
+        let t = Instant::now();
+        poll_readable(&[fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(10));
+        let st = reap(&fd).unwrap().unwrap();
+        assert_eq!(st.signal(), Some(9));
+        assert_eq!(st.to_string(), "signal 9 (SIGKILL)");
+    }
+
+    #[test]
+    fn waker_interrupts_poll() {
+        let w = Waker::new().unwrap();
+        w.wake();
+        let r = poll_readable(&[w.fd()], Some(Duration::from_secs(5))).unwrap();
+        assert!(r[0]);
+        w.drain();
+        let r = poll_readable(&[w.fd()], Some(Duration::from_millis(10))).unwrap();
+        assert!(!r[0]);
+    }
+}

@@ -1,0 +1,254 @@
+//! Accepting rank connections: credentials, handshake, and registration.
+//!
+//! One thread waits on the listener (and a waker) with `poll(2)`. Each accepted
+//! connection is authenticated on its own short-lived thread, so a peer that connects
+//! and says nothing holds up nobody; at most [`MAX_PENDING`] handshakes run at once and
+//! each has a deadline. A connection is refused, with the reason logged and sent to the
+//! peer, when:
+//!
+//! - its peer runs as another user (local sockets, `SO_PEERCRED`);
+//! - it does not prove it holds the launch's secret, or speaks another protocol version;
+//! - it names another launch, a rank outside the world, or another world size;
+//! - its (rank, channel) slot is already taken (a duplicate);
+//! - start-up is over (a late connection);
+//! - with the built-in launcher, its pid is not the pid spawned for that rank.
+//!
+//! Refused connections never disturb the group: valid ranks keep connecting.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rankexec_protocol::wire::message::Hello;
+use rankexec_protocol::wire::{Channel, Conn, Listener, Secret, effective_uid, server_handshake};
+use std::os::fd::AsFd;
+
+use crate::os::{self, Waker};
+
+/// Most handshakes in progress at once.
+pub const MAX_PENDING: usize = 64;
+
+struct Slots {
+    accepting: bool,
+    seen: Vec<[bool; 3]>,
+}
+
+/// Who may connect.
+pub(crate) struct AcceptPolicy {
+    pub(crate) secret: Secret,
+    pub(crate) launch_id: String,
+    pub(crate) world: u32,
+    /// With the built-in launcher, the pid spawned for each rank.
+    pub(crate) expected_pids: Vec<Option<u32>>,
+    pub(crate) handshake_timeout: Duration,
+    slots: Mutex<Slots>,
+}
+
+impl AcceptPolicy {
+    pub(crate) fn new(
+        secret: Secret,
+        launch_id: String,
+        world: u32,
+        expected_pids: Vec<Option<u32>>,
+        handshake_timeout: Duration,
+    ) -> Self {
+        AcceptPolicy {
+            secret,
+            launch_id,
+            world,
+            expected_pids,
+            handshake_timeout,
+            slots: Mutex::new(Slots {
+                accepting: true,
+                seen: vec![[false; 3]; world as usize],
+            }),
+        }
+    }
+
+    /// Ends start-up: every later connection is refused.
+    pub(crate) fn stop_accepting(&self) {
+        self.slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .accepting = false;
+    }
+
+    /// Records the pid spawned for `rank` (built-in launcher).
+    pub(crate) fn expect_pid(&mut self, rank: u32, pid: u32) {
+        if let Some(slot) = self.expected_pids.get_mut(rank as usize) {
+            *slot = Some(pid);
+        }
+    }
+
+    fn admit(&self, h: &Hello, peer_pid: Option<u32>) -> Result<(), String> {
+        if h.launch_id != self.launch_id {
+            return Err(format!("launch `{}` is not this group's", h.launch_id));
+        }
+        if h.world_size != self.world {
+            return Err(format!(
+                "world size {} does not match {}",
+                h.world_size, self.world
+            ));
+        }
+        if h.rank >= self.world {
+            return Err(format!(
+                "rank {} is outside world size {}",
+                h.rank, self.world
+            ));
+        }
+        if let (Some(Some(want)), Some(got)) = (self.expected_pids.get(h.rank as usize), peer_pid)
+            && *want != got
+        {
+            return Err(format!(
+                "rank {} must be pid {want}, the peer is pid {got}",
+                h.rank
+            ));
+        }
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        if !slots.accepting {
+            return Err("start-up is over; no new connections are accepted".to_owned());
+        }
+        let slot = &mut slots.seen[h.rank as usize][h.channel.index()];
+        if *slot {
+            return Err(format!(
+                "duplicate {} connection for rank {}",
+                h.channel.as_str(),
+                h.rank
+            ));
+        }
+        *slot = true;
+        Ok(())
+    }
+}
+
+/// An authenticated, registered connection.
+pub(crate) struct Connected {
+    pub(crate) rank: u32,
+    pub(crate) channel: Channel,
+    pub(crate) conn: Conn,
+    pub(crate) hello: Hello,
+}
+
+/// The acceptor thread; stops (and closes the listener) when dropped.
+pub(crate) struct Acceptor {
+    waker: Arc<Waker>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.waker.wake();
+    }
+}
+
+impl Acceptor {
+    /// Starts accepting on `listener`; each registered connection goes to `report`.
+    pub(crate) fn start(
+        listener: Listener,
+        policy: Arc<AcceptPolicy>,
+        report: Arc<dyn Fn(Connected) + Send + Sync>,
+    ) -> std::io::Result<Acceptor> {
+        let waker = Arc::new(Waker::new()?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (w, s) = (waker.clone(), stop.clone());
+        let span = tracing::Span::current();
+        std::thread::Builder::new()
+            .name("rx-accept".into())
+            .spawn(move || span.in_scope(|| accept_loop(&listener, &policy, &report, &w, &s)))?;
+        Ok(Acceptor { waker, stop })
+    }
+}
+
+fn accept_loop(
+    listener: &Listener,
+    policy: &Arc<AcceptPolicy>,
+    report: &Arc<dyn Fn(Connected) + Send + Sync>,
+    waker: &Waker,
+    stop: &AtomicBool,
+) {
+    let pending = Arc::new(AtomicUsize::new(0));
+    let uid = effective_uid();
+    loop {
+        let ready = match os::poll_readable(&[waker.fd(), listener.as_fd()], None) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "acceptor cannot poll");
+                return;
+            }
+        };
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if ready[0] {
+            waker.drain();
+        }
+        if !ready[1] {
+            continue;
+        }
+        loop {
+            let conn = match listener.accept() {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    break;
+                }
+            };
+            let peer = conn.peer_text();
+            let peer_pid = match conn.peer_creds() {
+                Some(Ok((pid, peer_uid))) => {
+                    if peer_uid != uid {
+                        tracing::warn!(%peer, "refused connection: peer runs as uid {peer_uid}, not {uid}");
+                        continue;
+                    }
+                    Some(pid)
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(%peer, error = %e, "refused connection: cannot read peer credentials");
+                    continue;
+                }
+                None => None,
+            };
+            if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING {
+                pending.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(%peer, "refused connection: {MAX_PENDING} handshakes already in progress");
+                continue;
+            }
+            let (policy, report, pending) = (policy.clone(), report.clone(), pending.clone());
+            let span = tracing::Span::current();
+            let spawned = std::thread::Builder::new()
+                .name("rx-handshake".into())
+                .spawn(move || {
+                    span.in_scope(|| {
+                        let hs = server_handshake(
+                            &conn,
+                            &policy.secret,
+                            policy.handshake_timeout,
+                            |h| policy.admit(h, peer_pid),
+                        );
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                        match hs {
+                            Ok(hello) => report(Connected {
+                                rank: hello.rank,
+                                channel: hello.channel,
+                                conn,
+                                hello,
+                            }),
+                            Err(e) => {
+                                let mut text = e.to_string();
+                                if let Some(src) = std::error::Error::source(&e) {
+                                    text.push_str(": ");
+                                    text.push_str(&src.to_string());
+                                }
+                                tracing::warn!(%peer, "refused connection: {text}");
+                            }
+                        }
+                    })
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot start a handshake thread");
+            }
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! A rank's three connections: one reader thread each, and one writer thread.
+//!
+//! Readers decode frames and report to the dispatcher; they never block on it. The
+//! event-channel reader answers relayed events itself (it fires them on the parent's
+//! engine and writes the reply), so slow handlers on the host never stall task results
+//! or other ranks. The writer owns all writes to the exec and handle channels, so
+//! fanning a task out to N ranks writes N sockets in parallel, and a rank that stops
+//! reading blocks only its own writer (teardown shuts its sockets down).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use rankexec_protocol::wire::envelope;
+use rankexec_protocol::wire::frame::read_frame;
+use rankexec_protocol::wire::message::{Props, RankError};
+use rankexec_protocol::wire::{Channel, Conn, FrameError, FrameLimits, Message, OutFrame};
+use rankexec_protocol::{Engine, FlContext, PropFlags, Shareable, keys};
+
+use crate::dispatcher::Reporter;
+
+/// What a rank's connections report.
+#[derive(Debug)]
+pub(crate) enum LinkEvent {
+    InitAck(Result<(), RankError>),
+    TaskResult {
+        task_id: u64,
+        outcome: Result<(Props, Shareable), RankError>,
+    },
+    EventAck {
+        event_id: u64,
+        result: Result<Props, RankError>,
+    },
+    Closed(Channel),
+    Protocol {
+        channel: Channel,
+        what: String,
+    },
+}
+
+/// Shared by a rank's threads.
+#[derive(Clone)]
+pub(crate) struct LinkContext {
+    pub(crate) rank: u32,
+    pub(crate) reporter: Reporter,
+    pub(crate) engine: Option<Arc<dyn Engine>>,
+    /// Whether this rank's events are fired on the engine (see `relay_events_from`).
+    pub(crate) relay: bool,
+    pub(crate) last_seen: Arc<AtomicU64>,
+    pub(crate) epoch: Instant,
+    pub(crate) limits: FrameLimits,
+}
+
+impl LinkContext {
+    fn touch(&self) {
+        self.last_seen
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn report(&self, ev: LinkEvent) {
+        self.reporter.link(self.rank, ev);
+    }
+}
+
+type Outgoing = (Channel, Arc<Conn>, Arc<OutFrame>);
+
+/// The parent's end of one rank.
+pub(crate) struct RankLink {
+    conns: [Option<Arc<Conn>>; 3],
+    writer: Option<Sender<Outgoing>>,
+    /// The rank's pid, from its hello.
+    pub(crate) pid: u32,
+    /// The rank's process group, from its hello.
+    pub(crate) pgid: u32,
+}
+
+impl RankLink {
+    pub(crate) fn new() -> Self {
+        RankLink {
+            conns: [None, None, None],
+            writer: None,
+            pid: 0,
+            pgid: 0,
+        }
+    }
+
+    /// Whether all three channels are connected.
+    pub(crate) fn complete(&self) -> bool {
+        self.conns.iter().all(Option::is_some)
+    }
+
+    /// How many channels are connected.
+    pub(crate) fn connected(&self) -> usize {
+        self.conns.iter().filter(|c| c.is_some()).count()
+    }
+
+    /// Adds a connection and starts its reader (and the writer, with the first one).
+    pub(crate) fn attach(
+        &mut self,
+        channel: Channel,
+        conn: Conn,
+        ctx: &LinkContext,
+    ) -> std::io::Result<()> {
+        let conn = Arc::new(conn);
+        let (read_side, c) = (conn.clone(), ctx.clone());
+        let span = tracing::info_span!("rank", rank = ctx.rank, channel = channel.as_str());
+        std::thread::Builder::new()
+            .name(format!("rx-read-{}-{}", ctx.rank, channel.as_str()))
+            .spawn(move || span.in_scope(|| read_loop(&read_side, channel, &c)))?;
+        if self.writer.is_none() {
+            let (tx, rx) = unbounded();
+            let c = ctx.clone();
+            let span = tracing::info_span!("rank", rank = ctx.rank);
+            std::thread::Builder::new()
+                .name(format!("rx-write-{}", ctx.rank))
+                .spawn(move || span.in_scope(|| write_loop(&rx, &c)))?;
+            self.writer = Some(tx);
+        }
+        self.conns[channel.index()] = Some(conn);
+        Ok(())
+    }
+
+    /// Queues a frame for the writer; false if the channel is not connected.
+    pub(crate) fn send(&self, channel: Channel, frame: Arc<OutFrame>) -> bool {
+        match (&self.writer, &self.conns[channel.index()]) {
+            (Some(w), Some(conn)) => w.send((channel, conn.clone(), frame)).is_ok(),
+            _ => false,
+        }
+    }
+
+    /// Whether the exec channel can pass descriptors.
+    pub(crate) fn passes_fds(&self) -> bool {
+        self.conns[Channel::Exec.index()]
+            .as_ref()
+            .is_some_and(|c| c.passes_fds())
+    }
+
+    /// Shuts every connection down, waking its reader and writer.
+    pub(crate) fn shutdown(&mut self) {
+        for c in self.conns.iter().flatten() {
+            c.shutdown();
+        }
+        self.writer = None;
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        cur = s.source();
+    }
+    text
+}
+
+fn write_loop(rx: &Receiver<Outgoing>, ctx: &LinkContext) {
+    for (channel, conn, frame) in rx {
+        if let Err(e) = frame.write_to(&conn) {
+            match e {
+                FrameError::Io(_) | FrameError::Closed | FrameError::TimedOut => {
+                    ctx.report(LinkEvent::Closed(channel))
+                }
+                other => ctx.report(LinkEvent::Protocol {
+                    channel,
+                    what: format!("cannot send: {}", chain(&other)),
+                }),
+            }
+            return;
+        }
+    }
+}
+
+fn read_loop(conn: &Conn, channel: Channel, ctx: &LinkContext) {
+    loop {
+        let frame = match read_frame(conn, &ctx.limits) {
+            Ok(f) => f,
+            Err(FrameError::Closed) => return ctx.report(LinkEvent::Closed(channel)),
+            Err(FrameError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return ctx.report(LinkEvent::Closed(channel));
+            }
+            Err(e) => {
+                return ctx.report(LinkEvent::Protocol {
+                    channel,
+                    what: chain(&e),
+                });
+            }
+        };
+        ctx.touch();
+        let msg = match envelope::decode(&frame) {
+            Ok(m) => m,
+            Err(e) => {
+                return ctx.report(LinkEvent::Protocol {
+                    channel,
+                    what: chain(&e),
+                });
+            }
+        };
+        if !msg.valid_from_rank(channel) {
+            return ctx.report(LinkEvent::Protocol {
+                channel,
+                what: format!("{} is not allowed on this channel", msg.kind()),
+            });
+        }
+        let kind = msg.kind();
+        let plain = |frame: &rankexec_protocol::wire::InFrame| envelope::expect_plain(kind, frame);
+        let event = match msg {
+            Message::TaskResult { task_id, outcome } => match outcome {
+                Ok(out) => match envelope::unpack(out.output, &frame.body, frame.fds) {
+                    Ok(s) => LinkEvent::TaskResult {
+                        task_id,
+                        outcome: Ok((out.props, s)),
+                    },
+                    Err(e) => {
+                        return ctx.report(LinkEvent::Protocol {
+                            channel,
+                            what: chain(&e),
+                        });
+                    }
+                },
+                Err(e) => match plain(&frame) {
+                    Ok(()) => LinkEvent::TaskResult {
+                        task_id,
+                        outcome: Err(e),
+                    },
+                    Err(e) => {
+                        return ctx.report(LinkEvent::Protocol {
+                            channel,
+                            what: chain(&e),
+                        });
+                    }
+                },
+            },
+            other => {
+                if let Err(e) = plain(&frame) {
+                    return ctx.report(LinkEvent::Protocol {
+                        channel,
+                        what: chain(&e),
+                    });
+                }
+                match other {
+                    Message::InitAck { result } => LinkEvent::InitAck(result),
+                    Message::EventAck { event_id, result } => {
+                        LinkEvent::EventAck { event_id, result }
+                    }
+                    Message::Heartbeat { .. } => continue,
+                    Message::FireEvent {
+                        request_id,
+                        event,
+                        props,
+                    } => {
+                        let result = relay(ctx, &event, props);
+                        let reply = Message::EventReply { request_id, result };
+                        let sent = envelope::plain(&reply)
+                            .map_err(|e| chain(&e))
+                            .and_then(|f| f.write_to(conn).map_err(|e| chain(&e)));
+                        if let Err(e) = sent {
+                            tracing::debug!("cannot answer a relayed event: {e}");
+                        }
+                        continue;
+                    }
+                    _ => continue,
+                }
+            }
+        };
+        ctx.report(event);
+    }
+}
+
+/// Fires a rank's event on the parent's engine, in a fresh context tagged with the rank,
+/// and returns the context the handlers left (minus the tags).
+fn relay(
+    ctx: &LinkContext,
+    event: &rankexec_protocol::EventType,
+    props: Props,
+) -> Result<Props, String> {
+    if !ctx.relay {
+        return Ok(props);
+    }
+    let Some(engine) = &ctx.engine else {
+        return Err("the executor has no engine to fire events into".to_owned());
+    };
+    let mut fl = FlContext::with_engine(engine.clone());
+    let _ = fl.merge_from(props);
+    for key in [keys::FROM_RANK_NUMBER, keys::EVENT_ORIGIN_SITE] {
+        fl.remove_prop(key);
+    }
+    let _ = fl.set_prop(keys::FROM_RANK_NUMBER, ctx.rank, PropFlags::PRIVATE);
+    let _ = fl.set_prop(keys::EVENT_ORIGIN_SITE, "rank", PropFlags::PRIVATE);
+    engine.fire_event(event, &mut fl).map_err(|e| chain(&e))?;
+    let mut out = fl.props().clone();
+    out.remove(keys::FROM_RANK_NUMBER);
+    out.remove(keys::EVENT_ORIGIN_SITE);
+    Ok(out)
+}

@@ -1,0 +1,31 @@
+//! The rankexec contract and wire protocol.
+//!
+//! This crate is what a host, an executor and a rank agree on, and it depends on no
+//! other rankexec crate:
+//!
+//! - the **component contract**: [`Shareable`], [`FlContext`], [`Signal`],
+//!   [`EventType`], the [`Executor`] and [`FlComponent`] traits, the [`Engine`] that
+//!   components fire events into, and the [`Registry`] that builds components from
+//!   `{id, path, args}`;
+//! - the **wire**: [`wire`] (messages, framing, handshake, transports) and [`env`] (the
+//!   environment a rank starts with).
+
+pub mod component;
+pub mod context;
+pub mod env;
+pub mod event;
+mod os;
+pub mod registry;
+pub mod shareable;
+pub mod signal;
+pub mod value;
+pub mod wire;
+
+pub use component::{ComponentError, Engine, ErrorClass, Executor, FireEventError, FlComponent};
+pub use context::{FlContext, Prop, PropConflict, PropFlags, keys};
+pub use event::EventType;
+pub use os::ShmError;
+pub use registry::{BuildError, Component, ComponentConfig, Registry};
+pub use shareable::{Blob, Shareable};
+pub use signal::{Signal, Subscription};
+pub use value::Value;

@@ -1,0 +1,8 @@
+//! Platform code, behind one module. Only Unix is supported.
+
+#[cfg(unix)]
+#[path = "unix.rs"]
+mod imp;
+
+pub use imp::ShmError;
+pub(crate) use imp::*;

@@ -1,0 +1,223 @@
+//! Linux and Unix specifics: file-descriptor passing, peer credentials and sealed
+//! memory files.
+//!
+//! - Descriptors travel with `sendmsg`/`recvmsg` and `SCM_RIGHTS`
+//!   ([unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html)). They are received
+//!   with `MSG_CMSG_CLOEXEC`, so a rank's children never inherit them, and a truncated
+//!   control message (`MSG_CTRUNC`: more descriptors than allowed) is an error.
+//! - Large blobs live in memory files from `memfd_create`
+//!   ([memfd_create(2)](https://man7.org/linux/man-pages/man2/memfd_create.2.html)),
+//!   sealed with `F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL` before they
+//!   are sent. A receiver maps a file only after checking that the write and shrink
+//!   seals are set: a peer that could still shrink the file could make every reader
+//!   fault with `SIGBUS`.
+
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::io::Errno;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+/// Sends `bufs` with `fds` attached to their first byte. Returns the bytes sent, which
+/// may be fewer than asked; the descriptors always go with the first call.
+pub(crate) fn send_with_fds(
+    sock: &UnixStream,
+    bufs: &[IoSlice<'_>],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<usize> {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("control buffer too small for descriptors"));
+    }
+    loop {
+        match rustix::net::sendmsg(sock, bufs, &mut control, SendFlags::NOSIGNAL) {
+            Ok(n) => return Ok(n),
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Receives into `buf`, appending any passed descriptors to `fds`. More than `max_fds`
+/// descriptors is an error (they are closed).
+pub(crate) fn recv_with_fds(
+    sock: &UnixStream,
+    buf: &mut [u8],
+    max_fds: usize,
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<usize> {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(max_fds.max(1)))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let msg = loop {
+        let mut iov = [IoSliceMut::new(buf)];
+        match rustix::net::recvmsg(sock, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+            Ok(m) => break m,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = m {
+            fds.extend(received);
+        }
+    }
+    // CMSG_SPACE rounds up, so the kernel may deliver more than `max_fds` without
+    // truncating: count them as well.
+    if msg.flags.contains(ReturnFlags::CTRUNC) || fds.len() > max_fds {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("peer passed more than {max_fds} file descriptors"),
+        ));
+    }
+    Ok(msg.bytes)
+}
+
+/// The peer's process id and user id.
+pub(crate) fn peer_creds(sock: &UnixStream) -> io::Result<(u32, u32)> {
+    let cred = rustix::net::sockopt::socket_peercred(sock)?;
+    Ok((cred.pid.as_raw_nonzero().get() as u32, cred.uid.as_raw()))
+}
+
+/// Our effective user id.
+pub(crate) fn effective_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// Writes `parts` into a new memory file and seals it against any change.
+pub(crate) fn sealed_memfd(name: &str, parts: &[&[u8]]) -> io::Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    // Size the file first: one allocation pass in the kernel, and writes never extend it.
+    rustix::fs::ftruncate(&fd, total)?;
+    let mut file = File::from(fd);
+    for part in parts {
+        file.write_all(part)?;
+    }
+    let fd = OwnedFd::from(file);
+    rustix::fs::fcntl_add_seals(
+        &fd,
+        SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+    )?;
+    Ok(fd)
+}
+
+/// Why a received memory file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// The file is not sealed against writes and shrinking.
+    #[error("shared blob is not sealed against writes and shrinking (seals {seals:#x})")]
+    NotSealed {
+        /// The seals found.
+        seals: u32,
+    },
+    /// The file is shorter than the header says.
+    #[error("shared blob has {actual} bytes but the header says {declared}")]
+    TooShort {
+        /// What the file holds.
+        actual: u64,
+        /// What the header claimed.
+        declared: u64,
+    },
+    /// A system call failed.
+    #[error("shared blob i/o")]
+    Io(#[from] io::Error),
+}
+
+/// Maps `len` bytes of a sealed memory file read-only.
+pub(crate) fn map_sealed(fd: OwnedFd, len: u64) -> Result<(Bytes, Arc<OwnedFd>), ShmError> {
+    let seals = rustix::fs::fcntl_get_seals(&fd).map_err(io::Error::from)?;
+    if !seals.contains(SealFlags::WRITE | SealFlags::SHRINK) {
+        return Err(ShmError::NotSealed {
+            seals: seals.bits(),
+        });
+    }
+    let actual = rustix::fs::fstat(&fd).map_err(io::Error::from)?.st_size as u64;
+    if actual < len {
+        return Err(ShmError::TooShort {
+            actual,
+            declared: len,
+        });
+    }
+    let fd = Arc::new(fd);
+    if len == 0 {
+        return Ok((Bytes::new(), fd));
+    }
+    let map_len = usize::try_from(len).map_err(|_| io::Error::other("blob too large to map"))?;
+    // SAFETY: memmap2 marks mapping unsafe because another process could modify or
+    // truncate the file under us (undefined behaviour for `&[u8]`, SIGBUS on access
+    // past the end). The checks above guarantee neither can happen: F_SEAL_WRITE
+    // forbids every write (and writable shared mappings), F_SEAL_SHRINK forbids
+    // truncation, seals can never be removed, and the file holds at least `len` bytes.
+    // The mapping is read-only and private to this process.
+    let map = unsafe {
+        memmap2::MmapOptions::new()
+            .len(map_len)
+            .map(fd.as_raw_fd())
+            .map_err(ShmError::Io)?
+    };
+    Ok((Bytes::from_owner(map), fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn sealed_memfd_maps_and_reads_back() {
+        let fd = sealed_memfd("t", &[b"hello ", b"world"]).unwrap();
+        let (bytes, _fd) = map_sealed(fd, 11).unwrap();
+        assert_eq!(&bytes[..], b"hello world");
+    }
+
+    #[test]
+    fn unsealed_memfd_is_refused() {
+        let fd = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 16).unwrap();
+        let err = map_sealed(fd, 16).unwrap_err();
+        assert!(matches!(err, ShmError::NotSealed { .. }), "{err}");
+    }
+
+    #[test]
+    fn short_memfd_is_refused() {
+        let fd = sealed_memfd("t", &[b"abc"]).unwrap();
+        let err = map_sealed(fd, 4).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ShmError::TooShort {
+                    actual: 3,
+                    declared: 4
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn descriptors_travel_and_excess_is_refused() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f1 = sealed_memfd("x", &[b"1"]).unwrap();
+        let f2 = sealed_memfd("y", &[b"2"]).unwrap();
+        send_with_fds(&a, &[IoSlice::new(b"ab")], &[f1.as_fd(), f2.as_fd()]).unwrap();
+        let mut buf = [0u8; 2];
+        let mut fds = Vec::new();
+        assert_eq!(recv_with_fds(&b, &mut buf, 4, &mut fds).unwrap(), 2);
+        assert_eq!(fds.len(), 2);
+
+        send_with_fds(&a, &[IoSlice::new(b"cd")], &[f1.as_fd(), f2.as_fd()]).unwrap();
+        let mut fds = Vec::new();
+        let err = recv_with_fds(&b, &mut buf, 1, &mut fds).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+    }
+}

@@ -1,0 +1,21 @@
+//! The wire protocol between an executor and its ranks.
+//!
+//! - [`message`]: what crosses the wire, per channel and direction.
+//! - [`codec`]: header encoding (bincode 2.0.1, behind this one module).
+//! - [`frame`]: length-prefixed frames with raw blob bodies and passed descriptors.
+//! - [`envelope`]: shareables in and out of frames (inline or sealed memory files).
+//! - [`handshake`]: mutual HMAC authentication of every connection.
+//! - [`conn`]: local and TCP connections, endpoints and listeners.
+
+pub mod codec;
+pub mod conn;
+pub mod envelope;
+pub mod frame;
+pub mod handshake;
+pub mod message;
+
+pub use conn::{Conn, Endpoint, EndpointParseError, Listener, effective_uid};
+pub use envelope::{BlobPolicy, PackError, UnpackError};
+pub use frame::{FrameError, FrameLimits, InFrame, OutFrame};
+pub use handshake::{HandshakeError, Identity, Secret, client_handshake, server_handshake};
+pub use message::{Channel, Message, PROTOCOL_VERSION};

@@ -1,0 +1,43 @@
+//! Subcommands of `rankexec`.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod gpus;
+mod run;
+
+/// A multi-process executor for federated learning.
+#[derive(Parser)]
+#[command(name = "rankexec", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Launch a rank group and run tasks on it (no federation).
+    Run(run::RunArgs),
+    /// Print this host's GPUs as NVML reports them (or why there are none).
+    Gpus(gpus::GpusArgs),
+    /// Run as a rank with the built-in and example components (the executor starts it).
+    Worker {
+        /// Worker arguments (`--list-components`, `--check-components`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+impl Cli {
+    pub fn run(self) -> anyhow::Result<ExitCode> {
+        match self.command {
+            Command::Run(a) => run::run(a),
+            Command::Gpus(a) => gpus::run(a),
+            Command::Worker { args } => Ok(rankexec::sub_worker::main_with_args(
+                rankexec::worker_registry(),
+                args,
+            )),
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! rankexec: a multi-process executor for federated learning.
+//!
+//! A federated client hosts a [`MultiProcessExecutor`](executor::MultiProcessExecutor);
+//! it launches a process group of rank sub-workers (one per local GPU, or N CPU ranks),
+//! keeps them alive across rounds, fans every task out to all ranks, returns rank 0's
+//! result, relays events both ways, and tears the whole group down on abort.
+//!
+//! This crate re-exports the three libraries and holds the `rankexec` command line:
+//!
+//! - [`protocol`]: the component contract and the wire protocol;
+//! - [`executor`]: the parent side (`MultiProcessExecutor`, GPUs, admission);
+//! - [`sub_worker`]: the rank side (write your own worker binary).
+
+pub use rankexec_executor as executor;
+pub use rankexec_protocol as protocol;
+pub use rankexec_sub_worker as sub_worker;
+
+pub mod logging;
+
+/// Every component the `rankexec worker` rank program knows: the built-ins of
+/// `rankexec-worker` plus the example components.
+pub fn worker_registry() -> protocol::Registry {
+    let mut r = sub_worker::builtins::registry();
+    r.extend(rankexec_examples::registry());
+    r
+}

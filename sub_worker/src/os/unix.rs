@@ -1,0 +1,56 @@
+//! Process facts a rank needs from the OS.
+//!
+//! - `die_with_parent`: `PR_SET_PDEATHSIG(SIGKILL)`
+//!   ([prctl(2)](https://man7.org/linux/man-pages/man2/prctl.2.html)). The signal fires
+//!   when the *thread* that forked us exits, which is why the executor spawns ranks from
+//!   one long-lived thread. The parent may already have died before the `prctl` call, so
+//!   the rank compares `getppid()` with the pid it was given right after.
+//! - `ignore_sigterm`: used only by the built-in `Sleep` component to play a rank that
+//!   refuses to stop, so tests can prove the executor escalates to `SIGKILL`.
+
+use nix::sys::signal::{SigHandler, Signal};
+use nix::unistd::{Pid, getpgrp, getpid, getppid};
+
+/// Asks the kernel to `SIGKILL` this process when its parent thread exits, then checks
+/// the parent is still `expected_parent`. Returns `false` if the parent is already gone.
+pub(crate) fn die_with_parent(expected_parent: u32) -> std::io::Result<bool> {
+    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+    Ok(getppid() == Pid::from_raw(expected_parent as i32))
+}
+
+/// This process's pid.
+pub(crate) fn pid() -> u32 {
+    getpid().as_raw() as u32
+}
+
+/// This process's process group id.
+pub(crate) fn pgid() -> u32 {
+    getpgrp().as_raw() as u32
+}
+
+/// The host name, or `"localhost"` when it cannot be read.
+pub(crate) fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// Makes this process ignore `SIGTERM`.
+pub(crate) fn ignore_sigterm() -> std::io::Result<()> {
+    // SAFETY: `signal` is unsafe because a handler runs in signal context and must be
+    // async-signal-safe. `SIG_IGN` installs no handler at all: the kernel discards the
+    // signal, so no code of ours runs in signal context. Exercised by the executor's
+    // forced-abort test, which asserts the rank survives SIGTERM and dies by SIGKILL.
+    unsafe { nix::sys::signal::signal(Signal::SIGTERM, SigHandler::SigIgn) }
+        .map(drop)
+        .map_err(std::io::Error::from)
+}
+
+/// Sends `signal` (by name, e.g. `"SIGKILL"`) to this process.
+pub(crate) fn kill_self(signal: &str) -> std::io::Result<()> {
+    let sig: Signal = signal
+        .parse()
+        .map_err(|_| std::io::Error::other(format!("unknown signal {signal}")))?;
+    nix::sys::signal::kill(getpid(), sig).map_err(std::io::Error::from)
+}
