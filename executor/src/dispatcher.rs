@@ -105,6 +105,8 @@ pub struct Status {
     pub restarts: u32,
     /// The group's log directory.
     pub log_dir: Option<PathBuf>,
+    /// Where the group's ranks connect (`local:PATH` or `tcp:HOST:PORT`).
+    pub endpoint: Option<String>,
     /// Whether the executor was finalized.
     pub finalized: bool,
 }
@@ -191,6 +193,7 @@ struct Group {
     oom_baseline: Option<u64>,
     grant: Grant,
     log_dir: PathBuf,
+    endpoint: String,
     pgid: u32,
 }
 
@@ -532,6 +535,7 @@ impl Dispatcher {
                 .unwrap_or_default(),
             restarts: self.restarts,
             log_dir: self.group.as_ref().map(|g| g.log_dir.clone()),
+            endpoint: self.group.as_ref().map(|g| g.endpoint.clone()),
             finalized: self.finalized,
         }
     }
@@ -898,6 +902,7 @@ impl Dispatcher {
             oom_baseline: os::oom_kill_count(),
             grant,
             log_dir: log_dir.clone(),
+            endpoint: endpoint.to_string(),
             pgid: 0,
         };
         let launched = launch::launch(&plan, &table, &group.watcher);

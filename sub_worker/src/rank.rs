@@ -123,7 +123,7 @@ fn var(name: &str) -> Option<String> {
 }
 
 fn settings() -> Result<Settings, StartupError> {
-    if let Some(ppid) = var(vars::PARENT_PID) {
+    if let Some(ppid) = var(vars::PARENT_PID).filter(|v| !v.is_empty()) {
         let ppid: u32 = ppid
             .parse()
             .map_err(|e| StartupError::Invalid(vars::PARENT_PID, Box::new(e)))?;

@@ -141,18 +141,30 @@ pub(crate) fn launch(
                     .stderr(Stdio::piped())
                     .process_group(pgid as i32);
                 apply_env(&mut cmd, plan, plan.per_rank.get(rank as usize));
-                let mut child = cmd
-                    .spawn()
-                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
+                let mut own_group = false;
+                let mut child = match cmd.spawn() {
+                    Ok(c) => c,
+                    // EPERM: the group is empty because rank 0 already exited. That exit
+                    // is the failure to report (the watcher has it); this rank leads a
+                    // group of its own so it can still be signalled and reaped.
+                    Err(e) if rank > 0 && e.raw_os_error() == Some(libc_eperm()) => {
+                        own_group = true;
+                        cmd.process_group(0)
+                            .spawn()
+                            .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?
+                    }
+                    Err(e) => return Err(spawn_error(format!("rank {rank}"), &plan.program, e)),
+                };
                 let pid = child.id();
                 if rank == 0 {
                     pgid = pid;
                 }
+                let rank_pgid = if own_group { pid } else { pgid };
                 take_pipes(&mut child, Source::Rank(rank), &mut pipes);
                 // The watcher reaps through the pidfd; std's `Child` neither waits nor
                 // kills on drop.
                 drop(child);
-                track(table, watcher, Role::Rank(rank), pid, pgid)
+                track(table, watcher, Role::Rank(rank), pid, rank_pgid)
                     .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
             }
             Ok(Launched { pipes, pgid })
@@ -184,6 +196,10 @@ pub(crate) fn launch(
             Ok(Launched { pipes, pgid: pid })
         }
     }
+}
+
+fn libc_eperm() -> i32 {
+    rustix::io::Errno::PERM.raw_os_error()
 }
 
 /// The argv template of a launcher.

@@ -252,3 +252,70 @@ fn accept_loop(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rankexec_protocol::wire::message::PROTOCOL_VERSION;
+
+    fn hello(rank: u32, channel: Channel) -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            channel,
+            rank,
+            world_size: 2,
+            launch_id: "L".into(),
+            pid: 10,
+            pgid: 10,
+            host: "h".into(),
+            nonce: [0; 32],
+            mac: [0; 32],
+        }
+    }
+
+    fn policy() -> AcceptPolicy {
+        let secret = Secret::generate().unwrap();
+        AcceptPolicy::new(
+            secret,
+            "L".into(),
+            2,
+            vec![Some(10), None],
+            Duration::from_secs(1),
+        )
+    }
+
+    #[test]
+    fn admission_rules() {
+        let p = policy();
+        assert!(p.admit(&hello(0, Channel::Exec), Some(10)).is_ok());
+        assert_eq!(
+            p.admit(&hello(0, Channel::Exec), Some(10)).unwrap_err(),
+            "duplicate exec connection for rank 0"
+        );
+        assert_eq!(
+            p.admit(&hello(0, Channel::Handle), Some(11)).unwrap_err(),
+            "rank 0 must be pid 10, the peer is pid 11"
+        );
+        assert_eq!(
+            p.admit(&hello(2, Channel::Exec), Some(10)).unwrap_err(),
+            "rank 2 is outside world size 2"
+        );
+        let mut other_launch = hello(1, Channel::Exec);
+        other_launch.launch_id = "M".into();
+        assert_eq!(
+            p.admit(&other_launch, None).unwrap_err(),
+            "launch `M` is not this group's"
+        );
+        let mut other_world = hello(1, Channel::Exec);
+        other_world.world_size = 3;
+        assert_eq!(
+            p.admit(&other_world, None).unwrap_err(),
+            "world size 3 does not match 2"
+        );
+        p.stop_accepting();
+        assert_eq!(
+            p.admit(&hello(1, Channel::Event), None).unwrap_err(),
+            "start-up is over; no new connections are accepted"
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! Helpers shared by the integration tests: the real worker binary, configurations
+//! with short deadlines, and what the OS says about processes and descriptors.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rankexec::executor::{Dur, ExecutorConfig, MultiProcessExecutor};
+use rankexec::protocol::{
+    ComponentConfig, Engine, EventType, FireEventError, FlContext, PropFlags, Value, keys,
+};
+
+/// How long a process may take to disappear after it should have.
+pub const DIE_TIME: Duration = Duration::from_secs(5);
+
+/// The `rankexec` binary.
+pub fn rankexec_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_rankexec"))
+}
+
+/// The `rankexec-worker` binary (built by `cargo test --workspace` with its package).
+pub fn worker_bin() -> PathBuf {
+    let p = rankexec_bin().with_file_name("rankexec-worker");
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace` so the worker is built",
+        p.display()
+    );
+    p
+}
+
+/// A configuration for `n` ranks of `path`, with short deadlines and logs in `logs`.
+pub fn config(n: u32, path: &str, args: serde_json::Value, logs: &Path) -> ExecutorConfig {
+    let mut c = ExecutorConfig::simple(n, path, args);
+    c.worker.program = worker_bin().display().to_string();
+    c.log_dir = Some(logs.to_owned());
+    let d = &mut c.deadlines;
+    d.startup = Dur(Duration::from_secs(30));
+    d.task = Dur(Duration::from_secs(60));
+    d.event = Dur(Duration::from_secs(20));
+    d.heartbeat_interval = Dur(Duration::from_millis(200));
+    d.heartbeat_timeout = Dur(Duration::from_secs(5));
+    d.abort_grace = Dur(Duration::from_secs(2));
+    d.shutdown_grace = Dur(Duration::from_secs(2));
+    d.term_grace = Dur(Duration::from_secs(2));
+    c.restart.backoff = Dur(Duration::from_millis(50));
+    c
+}
+
+/// Adds a component to a configuration.
+pub fn with_component(
+    mut c: ExecutorConfig,
+    id: &str,
+    path: &str,
+    args: serde_json::Value,
+) -> ExecutorConfig {
+    c.components.push(ComponentConfig::new(id, path, args));
+    c
+}
+
+/// Whether a process exists and is not a zombie.
+pub fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next())
+                .unwrap_or("?");
+            state != "Z" && state != "X"
+        }
+        Err(_) => false,
+    }
+}
+
+/// Waits until every pid is gone; returns the survivors after `within`.
+pub fn wait_gone(pids: &[u32], within: Duration) -> Result<Duration, Vec<u32>> {
+    let start = Instant::now();
+    loop {
+        let alive: Vec<u32> = pids.iter().copied().filter(|p| pid_alive(*p)).collect();
+        if alive.is_empty() {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() > within {
+            return Err(alive);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Asserts every pid is gone within [`DIE_TIME`].
+#[track_caller]
+pub fn assert_gone(pids: &[u32], what: &str) {
+    if let Err(alive) = wait_gone(pids, DIE_TIME) {
+        panic!("{what}: pids {alive:?} still alive after {DIE_TIME:?}");
+    }
+}
+
+/// Open file descriptors of this process.
+pub fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Serializes tests of one binary that count this process's children.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Live (non-zombie) children of this process.
+pub fn child_pids() -> Vec<u32> {
+    let me = std::process::id().to_string();
+    let mut out = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let Ok(pid) = name.parse::<u32>() else {
+                continue;
+            };
+            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                let Some(i) = stat.rfind(')') else { continue };
+                let mut f = stat[i + 1..].split_whitespace();
+                let state = f.next().unwrap_or("?");
+                let ppid = f.next().unwrap_or("");
+                if ppid == me && state != "Z" {
+                    out.push(pid);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The socket path in a `local:PATH` endpoint.
+pub fn socket_path(endpoint: &str) -> PathBuf {
+    PathBuf::from(endpoint.strip_prefix("local:").expect("local endpoint"))
+}
+
+/// Starts the executor with a fresh context.
+pub fn start(exec: &MultiProcessExecutor) -> FlContext {
+    let mut ctx = FlContext::new();
+    use rankexec::protocol::FlComponent;
+    exec.handle_event(&EventType::START_RUN, &mut ctx)
+        .expect("START_RUN");
+    ctx
+}
+
+/// The whole error chain as text.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        cur = s.source();
+    }
+    text
+}
+
+/// An engine that records every event fired into it and answers with a prop.
+pub struct RecordingEngine {
+    pub events: Mutex<Vec<(String, Option<i64>, BTreeMap<String, Value>)>>,
+    pub workspace: PathBuf,
+}
+
+impl RecordingEngine {
+    pub fn new(workspace: &Path) -> Arc<Self> {
+        Arc::new(RecordingEngine {
+            events: Mutex::new(Vec::new()),
+            workspace: workspace.to_owned(),
+        })
+    }
+}
+
+impl Engine for RecordingEngine {
+    fn fire_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), FireEventError> {
+        let from = ctx.get_prop(keys::FROM_RANK_NUMBER).and_then(Value::as_i64);
+        let props = ctx
+            .props()
+            .iter()
+            .map(|(k, p)| (k.clone(), p.value.clone()))
+            .collect();
+        self.events
+            .lock()
+            .unwrap()
+            .push((event.to_string(), from, props));
+        let _ = ctx.set_prop("seen_by_host", true, PropFlags::PUBLIC);
+        Ok(())
+    }
+    fn identity(&self) -> &str {
+        "site-test"
+    }
+    fn job_id(&self) -> &str {
+        "job-test"
+    }
+    fn workspace(&self) -> &Path {
+        &self.workspace
+    }
+}
+
+/// Collects every log line of this test binary (all threads).
+pub struct LogCapture(Arc<Mutex<Vec<u8>>>);
+
+impl LogCapture {
+    pub fn install() -> LogCapture {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let w = buf.clone();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("debug")
+            .with_ansi(false)
+            .with_writer(move || Writer(w.clone()))
+            .try_init();
+        LogCapture(buf)
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_for(&self, needle: &str, within: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < within {
+            if self.text().contains(needle) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+}
+
+struct Writer(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Writer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
