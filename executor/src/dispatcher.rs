@@ -45,7 +45,7 @@ use crate::group::output::{OutputPump, Source, Tails};
 use crate::group::process::{ProcInfo, ProcessTable, Role};
 use crate::group::rundir::RunDir;
 use crate::group::watch::{ExitWatcher, Exited};
-use crate::os::{self, ExitStatus, TermSignal};
+use crate::os::{self, TermSignal};
 use crate::result::reduce;
 use crate::session::accept::{AcceptPolicy, Acceptor, Connected};
 use crate::session::link::{LinkContext, LinkEvent, RankLink};
@@ -190,7 +190,8 @@ struct Group {
     external: bool,
     closed_pending: BTreeMap<u32, (Channel, Instant)>,
     failures: Vec<RankFailure>,
-    oom_baseline: Option<u64>,
+    /// OOM-kill counters of each process's memory cgroup when it started.
+    oom_baselines: BTreeMap<u32, os::OomCounter>,
     grant: Grant,
     log_dir: PathBuf,
     endpoint: String,
@@ -899,7 +900,7 @@ impl Dispatcher {
             external: !builtin,
             closed_pending: BTreeMap::new(),
             failures: Vec::new(),
-            oom_baseline: os::oom_kill_count(),
+            oom_baselines: BTreeMap::new(),
             grant,
             log_dir: log_dir.clone(),
             endpoint: endpoint.to_string(),
@@ -922,6 +923,11 @@ impl Dispatcher {
             }
         };
         group.pgid = launched.pgid;
+        for p in table.snapshot() {
+            if let Some(c) = os::oom_kills(p.pid) {
+                group.oom_baselines.insert(p.pid, c);
+            }
+        }
         if let Some(r) = &group.grant.reservation {
             let pids: Vec<u32> = table.snapshot().iter().map(|p| p.pid).collect();
             r.set_rank_pids(&pids);
@@ -1103,15 +1109,16 @@ impl Dispatcher {
         let Some(g) = &self.group else { return };
         match e.role {
             Role::Rank(rank) | Role::ExternalRank(rank) => {
-                let cause = match e.status {
-                    ExitStatus::Signal { signal: 9, .. }
-                        if os::oom_kill_count()
-                            .zip(g.oom_baseline)
-                            .is_some_and(|(now, then)| now > then) =>
-                    {
-                        FailureCause::OomKilled
-                    }
-                    st => FailureCause::Exited(st),
+                // A SIGKILL while the OOM-kill counter of the rank's memory cgroup (read
+                // when it started) rose is the OOM killer's.
+                let oom_killed = e.status.signal() == Some(9)
+                    && g.oom_baselines
+                        .get(&e.pid)
+                        .is_some_and(|then| then.reread().is_some_and(|now| now > then.kills));
+                let cause = if oom_killed {
+                    FailureCause::OomKilled
+                } else {
+                    FailureCause::Exited(e.status)
                 };
                 let f = self.failure(rank, cause);
                 if let Some(g) = &mut self.group {

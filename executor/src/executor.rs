@@ -212,14 +212,21 @@ impl MultiProcessExecutor {
         rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default()
     }
 
-    /// The pids of the group's live processes (ranks, and a launcher if there is one).
+    /// The pids of the group's live processes (ranks, and a launcher if there is one;
+    /// a launcher that execs into the rank is one process), in launch order.
     pub fn live_pids(&self) -> Vec<u32> {
-        self.status()
+        let mut pids: Vec<u32> = Vec::new();
+        for p in self
+            .status()
             .processes
             .iter()
             .filter(|p| p.status.is_none())
-            .map(|p| p.pid)
-            .collect()
+        {
+            if !pids.contains(&p.pid) {
+                pids.push(p.pid);
+            }
+        }
+        pids
     }
 }
 

@@ -12,7 +12,7 @@
 //! | `FireEvent` | executor | fires a custom event `count` times and returns what the parent added |
 //! | `Env` | executor | returns the rank's environment variables (the secret is never there) |
 //! | `Alloc` | executor | allocates (and touches) `bytes`, reporting a failure as out of memory |
-//! | `EventLog` | handler | appends every event it sees to `rank-N/events.log`, can set props |
+//! | `EventLog` | handler | appends every event it sees to `rank-N/events.log`, can set props, can be slow |
 //!
 //! Every executor accepts `ranks: [..]` where it acts only on some ranks (default: all).
 
@@ -512,12 +512,16 @@ impl Executor for Alloc {
 struct EventLogArgs {
     #[serde(default)]
     set: BTreeMap<String, serde_json::Value>,
+    /// Sleep this long in every handler (to play a rank that acknowledges too late).
+    #[serde(default)]
+    delay_ms: u64,
 }
 
 /// Appends each event name to `rank-N/events.log` and sets `set` as public props.
 struct EventLog {
     set: BTreeMap<String, Value>,
     file: Option<std::sync::Mutex<std::fs::File>>,
+    delay: Duration,
 }
 
 fn event_log(a: EventLogArgs) -> Result<EventLog, ComponentError> {
@@ -542,11 +546,13 @@ fn event_log(a: EventLogArgs) -> Result<EventLog, ComponentError> {
             .map(|(k, v)| (k.clone(), Value::from_json(v)))
             .collect(),
         file,
+        delay: Duration::from_millis(a.delay_ms),
     })
 }
 
 impl FlComponent for EventLog {
     fn handle_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), ComponentError> {
+        std::thread::sleep(self.delay);
         if let Some(f) = &self.file {
             let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             writeln!(f, "{event}")

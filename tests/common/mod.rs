@@ -164,9 +164,12 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// An event as the engine saw it: name, the rank it came from, its context values.
+pub type Recorded = (String, Option<i64>, BTreeMap<String, Value>);
+
 /// An engine that records every event fired into it and answers with a prop.
 pub struct RecordingEngine {
-    pub events: Mutex<Vec<(String, Option<i64>, BTreeMap<String, Value>)>>,
+    pub events: Mutex<Vec<Recorded>>,
     pub workspace: PathBuf,
 }
 

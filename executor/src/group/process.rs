@@ -101,7 +101,7 @@ impl ProcessTable {
     }
 
     /// Records that process `index` has exited (its pidfd is readable) and reaps it if
-    /// it is our child. Returns its role and status.
+    /// it is our child. Returns its role, pid and status.
     pub(crate) fn reap(&self, index: usize) -> Option<(Role, u32, ExitStatus)> {
         let mut entries = self.lock();
         let e = entries.get_mut(index)?;

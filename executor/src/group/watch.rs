@@ -15,7 +15,7 @@ use super::process::{ProcessTable, Role};
 use crate::os::{self, ExitStatus, Waker};
 
 /// An exit, as reported to the dispatcher.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Exited {
     pub(crate) role: Role,
     pub(crate) pid: u32,

@@ -4,7 +4,7 @@
 #[path = "unix.rs"]
 mod imp;
 
-pub use imp::{ExitStatus, TermSignal, signal_name};
+pub use imp::{ExitStatus, OomCounter, TermSignal, signal_name};
 pub(crate) use imp::{
-    Waker, oom_kill_count, own_pid, pidfd_open, poll_readable, reap, signal_group, signal_pidfd,
+    Waker, oom_kills, own_pid, pidfd_open, poll_readable, reap, signal_group, signal_pidfd,
 };

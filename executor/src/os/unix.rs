@@ -198,18 +198,54 @@ pub(crate) fn poll_readable(
     Ok(pfds.iter().map(|p| !p.revents().is_empty()).collect())
 }
 
-/// How many times the kernel's OOM killer has killed a process in our cgroup (v2), or
-/// `None` when that cannot be read.
-pub(crate) fn oom_kill_count() -> Option<u64> {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    // cgroup v2: a single line "0::/path".
-    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let events =
-        std::fs::read_to_string(format!("/sys/fs/cgroup{}/memory.events", path.trim())).ok()?;
-    events
-        .lines()
+/// The OOM-kill counter of a process's memory cgroup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OomCounter {
+    /// The file the counter is read from.
+    pub file: std::path::PathBuf,
+    /// How many processes the kernel's OOM killer had killed in that cgroup.
+    pub kills: u64,
+}
+
+fn oom_field(text: &str) -> Option<u64> {
+    text.lines()
         .find_map(|l| l.strip_prefix("oom_kill "))
-        .and_then(|v| v.trim().parse().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
+/// Finds and reads the OOM-kill counter of `pid`'s memory cgroup: `memory.oom_control`
+/// on cgroup v1, `memory.events` on v2. Read it while the process lives (a dead
+/// process leaves its cgroup), then [`OomCounter::reread`] it after a `SIGKILL`.
+pub(crate) fn oom_kills(pid: u32) -> Option<OomCounter> {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let mut candidates = Vec::new();
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if controllers.split(',').any(|c| c == "memory") {
+            candidates.push(std::path::PathBuf::from(format!(
+                "/sys/fs/cgroup/memory{path}/memory.oom_control"
+            )));
+        } else if controllers.is_empty() {
+            candidates.push(std::path::PathBuf::from(format!(
+                "/sys/fs/cgroup{path}/memory.events"
+            )));
+        }
+    }
+    candidates.into_iter().find_map(|file| {
+        let kills = oom_field(&std::fs::read_to_string(&file).ok()?)?;
+        Some(OomCounter { file, kills })
+    })
+}
+
+impl OomCounter {
+    /// The counter now, from the same file.
+    pub(crate) fn reread(&self) -> Option<u64> {
+        oom_field(&std::fs::read_to_string(&self.file).ok()?)
+    }
 }
 
 #[cfg(test)]

@@ -96,6 +96,10 @@ impl AcceptPolicy {
                 h.rank, self.world
             ));
         }
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        if !slots.accepting {
+            return Err("start-up is over; no new connections are accepted".to_owned());
+        }
         if let (Some(Some(want)), Some(got)) = (self.expected_pids.get(h.rank as usize), peer_pid)
             && *want != got
         {
@@ -103,10 +107,6 @@ impl AcceptPolicy {
                 "rank {} must be pid {want}, the peer is pid {got}",
                 h.rank
             ));
-        }
-        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        if !slots.accepting {
-            return Err("start-up is over; no new connections are accepted".to_owned());
         }
         let slot = &mut slots.seen[h.rank as usize][h.channel.index()];
         if *slot {

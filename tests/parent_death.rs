@@ -1,0 +1,91 @@
+//! The host process is SIGKILLed: every rank disappears within a second, whether the
+//! kernel's parent-death signal or the connection's end of file tells it.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::{Signal as Sig, kill};
+use nix::unistd::Pid;
+
+fn spawn_host(extra: &[&str]) -> (std::process::Child, Vec<u32>) {
+    let logs = tempfile::tempdir().unwrap().keep();
+    let mut child = Command::new(rankexec_bin())
+        .args(["run", "--task", "t", "--print-pids", "--log-dir"])
+        .arg(&logs)
+        .args(extra)
+        .env("RANKEXEC_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(out).lines();
+    let pids = loop {
+        let line = lines.next().expect("host printed its pids").unwrap();
+        if let Some(rest) = line.strip_prefix("pids: ") {
+            break rest
+                .split(' ')
+                .map(|p| p.parse().unwrap())
+                .collect::<Vec<u32>>();
+        }
+    };
+    (child, pids)
+}
+
+fn kill_host_and_time(mut host: std::process::Child, pids: &[u32]) -> Duration {
+    for p in pids {
+        assert!(pid_alive(*p), "rank {p} runs before the kill");
+    }
+    let t = Instant::now();
+    kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
+    let _ = host.wait();
+    match wait_gone(pids, Duration::from_secs(1)) {
+        Ok(_) => t.elapsed(),
+        Err(alive) => panic!("ranks {alive:?} outlived the host by more than 1 s"),
+    }
+}
+
+#[test]
+fn ranks_die_with_the_host_builtin_launcher() {
+    let (host, pids) = spawn_host(&[
+        "-n",
+        "4",
+        "--component",
+        "Sleep",
+        "--args",
+        r#"{"secs": 120}"#,
+    ]);
+    assert_eq!(pids.len(), 4);
+    let took = kill_host_and_time(host, &pids);
+    eprintln!(
+        "4 ranks gone {:.1} ms after SIGKILL of the host (PR_SET_PDEATHSIG + EOF)",
+        took.as_secs_f64() * 1e3
+    );
+}
+
+#[test]
+fn ranks_die_with_the_host_by_end_of_file_alone() {
+    // An external launcher: the rank is not told a parent pid, so no PR_SET_PDEATHSIG;
+    // only its connections closing can tell it.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = serde_json::json!({
+        "executor_id": "e",
+        "num_of_processes": 1,
+        "components": [{"id": "e", "path": "Sleep", "args": {"secs": 120}}],
+        "worker": {"program": worker_bin()},
+        "launcher": {"command": {"argv": ["env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
+    });
+    let path = dir.path().join("cfg.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let (host, pids) = spawn_host(&["--config", path.to_str().unwrap()]);
+    assert_eq!(pids.len(), 1);
+    let took = kill_host_and_time(host, &pids);
+    eprintln!(
+        "rank gone {:.1} ms after SIGKILL of the host (EOF only)",
+        took.as_secs_f64() * 1e3
+    );
+}
