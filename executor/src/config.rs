@@ -230,6 +230,9 @@ pub enum ResultPolicy {
         weight_key: String,
         /// The blobs to average.
         average: Vec<String>,
+        /// The tasks gathered (empty: all); other tasks return rank 0's result.
+        #[serde(default)]
+        tasks: Vec<String>,
     },
 }
 
@@ -393,6 +396,18 @@ impl ConfigError {
     }
 }
 
+impl ResultPolicy {
+    /// Whether `task` combines every rank's output.
+    pub fn gathers(&self, task: &str) -> bool {
+        match self {
+            ResultPolicy::Rank0 => false,
+            ResultPolicy::Gather { tasks, .. } => {
+                tasks.is_empty() || tasks.iter().any(|t| t == task)
+            }
+        }
+    }
+}
+
 impl ExecutorConfig {
     /// A minimal configuration: `n` ranks running component `path` as the executor.
     pub fn simple(n: u32, path: &str, args: serde_json::Value) -> Self {
@@ -492,6 +507,7 @@ impl ExecutorConfig {
         if let ResultPolicy::Gather {
             weight_key,
             average,
+            ..
         } = &self.result
             && (weight_key.is_empty() || average.is_empty())
         {

@@ -1256,7 +1256,7 @@ impl Dispatcher {
         let id = self.next_task_id;
         self.next_task_id += 1;
         let span = info_span!("task", task = %c.task, task_id = id);
-        let gather = matches!(self.cfg.result, ResultPolicy::Gather { .. });
+        let gather = self.cfg.result.gathers(&c.task);
         // One frame per carrier kind, encoded once and written to every rank.
         let mut frames: [Option<Arc<OutFrame>>; 2] = [None, None];
         let world = self.cfg.num_of_processes;
@@ -1463,14 +1463,17 @@ impl Dispatcher {
             return;
         }
         let result = match &self.cfg.result {
-            ResultPolicy::Rank0 => {
-                let (props, out) = outputs.swap_remove(0);
-                Ok((out, props))
-            }
             ResultPolicy::Gather {
                 weight_key,
                 average,
-            } => reduce(outputs, weight_key, average).map_err(ExecuteError::Gather),
+                ..
+            } if self.cfg.result.gathers(&t.cmd.task) => {
+                reduce(outputs, weight_key, average).map_err(ExecuteError::Gather)
+            }
+            _ => {
+                let (props, out) = outputs.swap_remove(0);
+                Ok((out, props))
+            }
         };
         if result.is_ok() {
             self.consecutive_failures = 0;

@@ -49,6 +49,10 @@ pub mod keys {
     pub const JOB_ID: &str = "__job_id__";
     /// The current federated round.
     pub const CURRENT_ROUND: &str = "__current_round__";
+    /// The site's 0-based index among the job's sites (set by the client runtime).
+    pub const SITE_INDEX: &str = "__site_index__";
+    /// How many sites (clients) the job has (set by the client runtime).
+    pub const NUM_SITES: &str = "__num_sites__";
 }
 
 /// A property value with its flags.

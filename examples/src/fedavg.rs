@@ -1,0 +1,149 @@
+//! `DigitsTrainer`: the rank component of the FedAvg example.
+//!
+//! Each client's group trains on the client's share of the digits training set; each
+//! rank takes a strided share of that (local SGD), and the executor's `gather` policy
+//! averages the ranks' models weighted by their sample counts. The server then averages
+//! the clients' models (FedAvg).
+//!
+//! Tasks:
+//! - `train`: evaluates the received global model on the client's test share
+//!   (`val_accuracy`, `val_loss`), trains `epochs` epochs, and returns `weights`, `bias`,
+//!   `num_samples` and `train_loss`;
+//! - `validate`: evaluates the received model on the client's test share and returns
+//!   `accuracy`, `loss` and `num_samples` (the server weights them into the final
+//!   metrics).
+//!
+//! The client's index and the number of clients come from the task context
+//! (`__site_index__`, `__num_sites__`, set by the client runtime); the rank and world
+//! size from the rank context.
+
+use rankexec_protocol::{
+    ComponentError, Executor, FlComponent, FlContext, Shareable, Signal, Value, keys,
+};
+use serde::Deserialize;
+
+use crate::digits::{self, Data, Model, Partition, Rng};
+
+/// Arguments of `DigitsTrainer`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerArgs {
+    /// Local epochs per round.
+    #[serde(default = "two")]
+    pub epochs: u32,
+    /// Learning rate.
+    #[serde(default = "half")]
+    pub lr: f32,
+    /// Mini-batch size.
+    #[serde(default = "sixteen")]
+    pub batch_size: usize,
+    /// How clients' data is split.
+    #[serde(default)]
+    pub partition: Partition,
+    /// The seed of the train/test split (the same on every client).
+    #[serde(default = "seed")]
+    pub seed: u64,
+    /// Share of the data held out for testing.
+    #[serde(default = "fifth")]
+    pub test_fraction: f64,
+}
+
+fn two() -> u32 {
+    2
+}
+fn half() -> f32 {
+    0.5
+}
+fn sixteen() -> usize {
+    16
+}
+fn seed() -> u64 {
+    20_26
+}
+fn fifth() -> f64 {
+    0.2
+}
+
+/// The trainer.
+pub struct DigitsTrainer {
+    args: TrainerArgs,
+    train: Data,
+    test: Data,
+}
+
+impl DigitsTrainer {
+    /// Loads the data set once per rank.
+    pub fn new(args: TrainerArgs) -> Result<Self, ComponentError> {
+        if !(0.0..1.0).contains(&args.test_fraction) {
+            return Err(ComponentError::failed("test_fraction must be in [0, 1)"));
+        }
+        let (train, test) = digits::load(args.seed, args.test_fraction);
+        Ok(DigitsTrainer { args, train, test })
+    }
+}
+
+fn prop_usize(ctx: &FlContext, key: &str, default: usize) -> usize {
+    ctx.get_prop(key)
+        .and_then(Value::as_i64)
+        .map_or(default, |v| v.max(0) as usize)
+}
+
+impl FlComponent for DigitsTrainer {}
+
+impl Executor for DigitsTrainer {
+    fn execute(
+        &self,
+        task: &str,
+        input: Shareable,
+        ctx: &mut FlContext,
+        abort: &Signal,
+    ) -> Result<Shareable, ComponentError> {
+        let site = prop_usize(ctx, keys::SITE_INDEX, 0);
+        let sites = prop_usize(ctx, keys::NUM_SITES, 1);
+        let rank = prop_usize(ctx, keys::RANK_NUMBER, 0);
+        let world = prop_usize(ctx, keys::NUM_OF_PROCESSES, 1);
+        let mut model = Model::from_shareable(&input)?;
+        let test = digits::client_share(&self.test, site, sites, Partition::Iid);
+        let (val_acc, val_loss) = model.evaluate(&test);
+        match task {
+            "validate" => Ok(Shareable::new()
+                .with_meta("accuracy", val_acc)
+                .with_meta("loss", val_loss)
+                .with_meta("num_samples", test.len())),
+            "train" => {
+                let mine = digits::rank_share(
+                    &digits::client_share(&self.train, site, sites, self.args.partition),
+                    rank,
+                    world,
+                );
+                if mine.is_empty() {
+                    return Err(ComponentError::failed(format!(
+                        "site {site} rank {rank} has no training data"
+                    )));
+                }
+                let round = input.meta("round").and_then(Value::as_i64).unwrap_or(0) as u64;
+                let mut rng =
+                    Rng::new(self.args.seed ^ (round << 32) ^ ((site as u64) << 16) ^ rank as u64);
+                let loss = model
+                    .train(
+                        &mine,
+                        self.args.epochs,
+                        self.args.batch_size,
+                        self.args.lr,
+                        &mut rng,
+                        || abort.is_triggered(),
+                    )
+                    .ok_or_else(ComponentError::aborted)?;
+                Ok(model
+                    .into_shareable(Shareable::new())
+                    .with_meta("num_samples", mine.len())
+                    .with_meta("train_loss", f64::from(loss))
+                    .with_meta("val_accuracy", val_acc)
+                    .with_meta("val_loss", val_loss))
+            }
+            other => Err(ComponentError::failed(format!(
+                "unknown task `{other}` (DigitsTrainer runs `train` and `validate`)"
+            ))),
+        }
+    }
+}
