@@ -10,12 +10,25 @@
 //! - [`protocol`]: the component contract and the wire protocol;
 //! - [`executor`]: the parent side (`MultiProcessExecutor`, GPUs, admission);
 //! - [`sub_worker`]: the rank side (write your own worker binary).
+//!
+//! and the federated job host:
+//!
+//! - [`job`]: job folders (`meta.json`, client and server configuration);
+//! - [`host`]: the client runtime that hosts executors;
+//! - [`server`]: the FedAvg controller and model persistor;
+//! - [`sim`]: `rankexec simulate`, the whole federation in one process;
+//! - [`signals`]: Ctrl-C handling for binaries.
 
 pub use rankexec_executor as executor;
 pub use rankexec_protocol as protocol;
 pub use rankexec_sub_worker as sub_worker;
 
+pub mod host;
+pub mod job;
 pub mod logging;
+pub mod server;
+pub mod signals;
+pub mod sim;
 
 /// Every component the `rankexec worker` rank program knows: the built-ins of
 /// `rankexec-worker` plus the example components.

@@ -1379,8 +1379,14 @@ impl Dispatcher {
         }
         let first_error = outcome.is_err() && t.aborting.is_none();
         if let Err(e) = &outcome {
-            t.span
-                .in_scope(|| warn!(rank, class = %e.class, "rank reported: {}", e.message));
+            // An abort we asked for is expected; anything else is worth a warning.
+            if e.class == ErrorClass::Aborted && t.aborting.is_some() {
+                t.span
+                    .in_scope(|| info!(rank, "rank stopped: {}", e.message));
+            } else {
+                t.span
+                    .in_scope(|| warn!(rank, class = %e.class, "rank reported: {}", e.message));
+            }
         }
         t.results[rank as usize] = Some(outcome);
         if first_error {

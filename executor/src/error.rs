@@ -215,27 +215,27 @@ pub enum StartError {
     DispatcherGone,
 }
 
-/// Why combining the ranks' results failed (`gather` policy).
+/// Why results could not be averaged (the `gather` policy, or FedAvg on a server).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GatherError {
-    /// A rank did not return a blob to average.
-    #[error("rank {rank} returned no blob `{name}`")]
+    /// A result lacks a blob to average.
+    #[error("{who} returned no blob `{name}`")]
     MissingBlob {
-        /// The rank.
-        rank: u32,
+        /// Whose result (`rank 1`, `site-2`).
+        who: String,
         /// The blob.
         name: String,
     },
-    /// Blob sizes differ between ranks.
-    #[error("rank {rank}'s blob `{name}` has {len} bytes, rank 0's has {expected}")]
+    /// Blob sizes differ.
+    #[error("{who}'s blob `{name}` has {len} bytes, the first result's has {expected}")]
     LengthMismatch {
-        /// The rank.
-        rank: u32,
+        /// Whose result.
+        who: String,
         /// The blob.
         name: String,
         /// Its length.
         len: usize,
-        /// Rank 0's length.
+        /// The first result's length.
         expected: usize,
     },
     /// A blob is not a whole number of `f32`s.
@@ -246,11 +246,11 @@ pub enum GatherError {
         /// Its length.
         len: usize,
     },
-    /// A rank did not report its weight.
-    #[error("rank {rank} returned no numeric meta `{key}`")]
+    /// A result lacks its weight.
+    #[error("{who} returned no numeric meta `{key}`")]
     MissingWeight {
-        /// The rank.
-        rank: u32,
+        /// Whose result.
+        who: String,
         /// The key.
         key: String,
     },
@@ -262,6 +262,9 @@ pub enum GatherError {
         /// Their sum.
         total: f64,
     },
+    /// There is nothing to average.
+    #[error("no results to average")]
+    Empty,
 }
 
 /// Why a task failed.

@@ -95,9 +95,11 @@ impl MultiProcessExecutor {
         let dispatcher = Dispatcher::new(cfg.clone(), program, rx, admission);
         // This thread spawns the ranks, so it must live as long as the executor: the
         // ranks' PR_SET_PDEATHSIG fires when the thread that forked them exits.
+        // Logs of the group (and its ranks' output) nest under the creator's span.
+        let span = tracing::Span::current();
         let thread = std::thread::Builder::new()
             .name(format!("rx-dispatch-{}", cfg.executor_id))
-            .spawn(move || dispatcher.run())
+            .spawn(move || span.in_scope(|| dispatcher.run()))
             .map_err(|e| {
                 ConfigError::new(
                     "executor",

@@ -9,6 +9,7 @@
 //! - `session`: accepting and talking to ranks.
 //! - [`gpu`] and [`admission`]: NVML inventory, placement, memory admission.
 //! - [`killswitch`]: kill every group now (second Ctrl-C).
+//! - [`result`]: combining results (`gather`, and FedAvg's weighted average).
 //! - [`units`]: sizes and durations in configuration.
 
 pub mod admission;
@@ -20,7 +21,7 @@ pub mod gpu;
 pub mod group;
 pub mod killswitch;
 pub mod os;
-mod result;
+pub mod result;
 mod session;
 pub mod units;
 

@@ -1,49 +1,75 @@
-//! Result policies: what a task returns when N ranks ran it.
+//! Averaging results: what a task returns when N ranks ran it, and FedAvg.
 //!
 //! - `rank0` (FLARE's rule): rank 0's shareable and context.
 //! - `gather`: every rank returns its shareable; named blobs holding little-endian `f32`
 //!   arrays are averaged, weighted by each rank's numeric meta `weight_key` (its sample
 //!   count). This lets N ranks train on shards of local data and combine their models
 //!   without a collective library (local SGD with model averaging).
+//!
+//! [`weighted_average`] is the one implementation; a federated server uses it for
+//! FedAvg across clients too.
 
 use rankexec_protocol::Shareable;
 use rankexec_protocol::wire::message::Props;
 
 use crate::error::GatherError;
 
-/// Combines every rank's output (in rank order) by weighted averaging.
-pub(crate) fn reduce(
-    mut outputs: Vec<(Props, Shareable)>,
-    weight_key: &str,
-    average: &[String],
-) -> Result<(Shareable, Props), GatherError> {
-    let mut weights = Vec::with_capacity(outputs.len());
-    for (rank, (_, s)) in outputs.iter().enumerate() {
-        let w = s.meta(weight_key).and_then(|v| v.as_f64()).ok_or_else(|| {
-            GatherError::MissingWeight {
-                rank: rank as u32,
-                key: weight_key.to_owned(),
-            }
-        })?;
-        weights.push(w);
-    }
-    let total: f64 = weights.iter().sum();
+/// One result to average.
+#[derive(Debug, Clone, Copy)]
+pub struct Weighted<'a> {
+    /// Whose it is, for errors (`rank 1`, `site-2`).
+    pub who: &'a str,
+    /// Its weight.
+    pub weight: f64,
+    /// The result.
+    pub shareable: &'a Shareable,
+}
+
+/// The numeric meta `key` of a result, as a weight.
+pub fn weight_of(who: &str, s: &Shareable, key: &str) -> Result<f64, GatherError> {
+    s.meta(key)
+        .and_then(|v| v.as_f64())
+        .ok_or_else(|| GatherError::MissingWeight {
+            who: who.to_owned(),
+            key: key.to_owned(),
+        })
+}
+
+/// Averages the `f32` blobs `names` over `parts`, weighted. Accumulates in `f64`.
+///
+/// ```
+/// use rankexec_executor::result::{Weighted, weighted_average};
+/// use rankexec_protocol::Shareable;
+/// let f = |v: f32| Shareable::new().with_blob("w", v.to_le_bytes().to_vec());
+/// let (a, b) = (f(0.0), f(4.0));
+/// let avg = weighted_average(
+///     &[Weighted { who: "a", weight: 3.0, shareable: &a }, Weighted { who: "b", weight: 1.0, shareable: &b }],
+///     &["w".to_string()],
+/// ).unwrap();
+/// assert_eq!(avg[0].1, 1.0f32.to_le_bytes().to_vec());
+/// ```
+pub fn weighted_average(
+    parts: &[Weighted<'_>],
+    names: &[String],
+) -> Result<Vec<(String, Vec<u8>)>, GatherError> {
+    let first = parts.first().ok_or(GatherError::Empty)?;
+    let total: f64 = parts.iter().map(|p| p.weight).sum();
     if total <= 0.0 || !total.is_finite() {
         return Err(GatherError::ZeroWeight {
-            key: weight_key.to_owned(),
+            key: "weight".to_owned(),
             total,
         });
     }
-    let mut averaged = Vec::with_capacity(average.len());
-    for name in average {
-        let first = outputs[0]
-            .1
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let len = first
+            .shareable
             .blob(name)
             .ok_or_else(|| GatherError::MissingBlob {
-                rank: 0,
+                who: first.who.to_owned(),
                 name: name.clone(),
-            })?;
-        let len = first.len();
+            })?
+            .len();
         if len % 4 != 0 {
             return Err(GatherError::NotF32 {
                 name: name.clone(),
@@ -51,14 +77,17 @@ pub(crate) fn reduce(
             });
         }
         let mut acc = vec![0f64; len / 4];
-        for (rank, ((_, s), w)) in outputs.iter().zip(&weights).enumerate() {
-            let b = s.blob(name).ok_or_else(|| GatherError::MissingBlob {
-                rank: rank as u32,
-                name: name.clone(),
-            })?;
+        for p in parts {
+            let b = p
+                .shareable
+                .blob(name)
+                .ok_or_else(|| GatherError::MissingBlob {
+                    who: p.who.to_owned(),
+                    name: name.clone(),
+                })?;
             if b.len() != len {
                 return Err(GatherError::LengthMismatch {
-                    rank: rank as u32,
+                    who: p.who.to_owned(),
                     name: name.clone(),
                     len: b.len(),
                     expected: len,
@@ -67,15 +96,42 @@ pub(crate) fn reduce(
             for (a, chunk) in acc.iter_mut().zip(b.chunks_exact(4)) {
                 let mut x = [0u8; 4];
                 x.copy_from_slice(chunk);
-                *a += f64::from(f32::from_le_bytes(x)) * w;
+                *a += f64::from(f32::from_le_bytes(x)) * p.weight;
             }
         }
-        let bytes: Vec<u8> = acc
-            .into_iter()
-            .flat_map(|a| ((a / total) as f32).to_le_bytes())
-            .collect();
-        averaged.push((name.clone(), bytes));
+        out.push((
+            name.clone(),
+            acc.into_iter()
+                .flat_map(|a| ((a / total) as f32).to_le_bytes())
+                .collect(),
+        ));
     }
+    Ok(out)
+}
+
+/// The `gather` policy: averages every rank's output (in rank order).
+pub(crate) fn reduce(
+    mut outputs: Vec<(Props, Shareable)>,
+    weight_key: &str,
+    average: &[String],
+) -> Result<(Shareable, Props), GatherError> {
+    let names: Vec<String> = (0..outputs.len()).map(|r| format!("rank {r}")).collect();
+    let mut parts = Vec::with_capacity(outputs.len());
+    for ((_, s), who) in outputs.iter().zip(&names) {
+        parts.push(Weighted {
+            who,
+            weight: weight_of(who, s, weight_key)?,
+            shareable: s,
+        });
+    }
+    let total: f64 = parts.iter().map(|p| p.weight).sum();
+    let averaged = weighted_average(&parts, average).map_err(|e| match e {
+        GatherError::ZeroWeight { total, .. } => GatherError::ZeroWeight {
+            key: weight_key.to_owned(),
+            total,
+        },
+        other => other,
+    })?;
     let (props, mut out) = outputs.swap_remove(0);
     for (name, bytes) in averaged {
         out.set_blob(name, bytes);
@@ -126,10 +182,13 @@ mod tests {
             &["w".into()],
         )
         .unwrap_err();
-        assert!(matches!(e, GatherError::LengthMismatch { rank: 1, .. }));
+        assert_eq!(
+            e.to_string(),
+            "rank 1's blob `w` has 8 bytes, the first result's has 4"
+        );
         let e = reduce(vec![out(1.0, &[0.0])], "m", &["w".into()]).unwrap_err();
-        assert!(matches!(e, GatherError::MissingWeight { rank: 0, .. }));
+        assert_eq!(e.to_string(), "rank 0 returned no numeric meta `m`");
         let e = reduce(vec![out(0.0, &[0.0])], "n", &["w".into()]).unwrap_err();
-        assert!(matches!(e, GatherError::ZeroWeight { .. }));
+        assert_eq!(e.to_string(), "the weights `n` add up to 0");
     }
 }

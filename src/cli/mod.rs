@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod gpus;
 mod run;
+mod simulate;
 
 /// A multi-process executor for federated learning.
 #[derive(Parser)]
@@ -17,6 +18,8 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a federated job locally: server and clients in one process.
+    Simulate(simulate::SimulateArgs),
     /// Launch a rank group and run tasks on it (no federation).
     Run(run::RunArgs),
     /// Print this host's GPUs as NVML reports them (or why there are none).
@@ -32,6 +35,7 @@ enum Command {
 impl Cli {
     pub fn run(self) -> anyhow::Result<ExitCode> {
         match self.command {
+            Command::Simulate(a) => simulate::run(a),
             Command::Run(a) => run::run(a),
             Command::Gpus(a) => gpus::run(a),
             Command::Worker { args } => Ok(rankexec::sub_worker::main_with_args(

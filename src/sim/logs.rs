@@ -1,0 +1,183 @@
+//! Logs of a simulated job: the console, `WORKSPACE/log.txt` with everything, and
+//! `WORKSPACE/site-N/log.txt` with each site's own lines (every event inside a span that
+//! carries `site = ...`, which includes its executors' and ranks' output). Each rank's
+//! raw stdout and stderr are also in `WORKSPACE/site-N/<executor>/rank-R/`.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{LineWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use indicatif::MultiProgress;
+use tracing::field::{Field, Visit};
+use tracing::{Event, Subscriber, span};
+use tracing_subscriber::filter::{EnvFilter, LevelFilter};
+use tracing_subscriber::fmt::time::FormatTime;
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{Layer, fmt};
+
+struct Site(String);
+
+struct SiteField(Option<String>);
+
+impl Visit for SiteField {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "site" {
+            self.0 = Some(value.to_owned());
+        }
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "site" {
+            self.0 = Some(format!("{value:?}").trim_matches('"').to_owned());
+        }
+    }
+}
+
+struct Text(String);
+
+impl Visit for Text {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0.insert_str(0, &format!("{value:?}"));
+        } else {
+            self.0.push_str(&format!(" {}={value:?}", field.name()));
+        }
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.0.insert_str(0, value);
+        } else {
+            self.0.push_str(&format!(" {}={value}", field.name()));
+        }
+    }
+}
+
+/// Writes each site's events to its own file.
+struct SiteFiles {
+    root: PathBuf,
+    files: Mutex<HashMap<String, LineWriter<File>>>,
+}
+
+impl<S> Layer<S> for SiteFiles
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+        let mut v = SiteField(None);
+        attrs.record(&mut v);
+        if let (Some(site), Some(span)) = (v.0, ctx.span(id)) {
+            span.extensions_mut().insert(Site(site));
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let Some(site) = ctx.event_scope(event).and_then(|scope| {
+            scope
+                .from_root()
+                .find_map(|s| s.extensions().get::<Site>().map(|x| x.0.clone()))
+        }) else {
+            return;
+        };
+        let mut text = Text(String::new());
+        event.record(&mut text);
+        let mut ts = String::new();
+        let _ = fmt::time::SystemTime.format_time(&mut fmt::format::Writer::new(&mut ts));
+        let meta = event.metadata();
+        let line = format!("{ts} {:>5} {}: {}\n", meta.level(), meta.target(), text.0);
+        let mut files = self.files.lock().unwrap_or_else(PoisonError::into_inner);
+        if !files.contains_key(&site) {
+            let dir = self.root.join(&site);
+            if std::fs::create_dir_all(&dir).is_err() {
+                return;
+            }
+            match File::options()
+                .create(true)
+                .append(true)
+                .open(dir.join("log.txt"))
+            {
+                Ok(f) => {
+                    files.insert(site.clone(), LineWriter::new(f));
+                }
+                Err(_) => return,
+            }
+        }
+        if let Some(f) = files.get_mut(&site) {
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
+}
+
+/// Console output that does not tear the progress bars.
+#[derive(Clone)]
+struct Console(Option<MultiProgress>);
+
+impl Write for Console {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match &self.0 {
+            Some(mp) => mp
+                .suspend(|| std::io::stderr().write_all(buf))
+                .map(|()| buf.len()),
+            None => std::io::stderr().write_all(buf).map(|()| buf.len()),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// Installs the three destinations. `console` is the console's default level
+/// (`RANKEXEC_LOG`/`RUST_LOG` override it).
+pub fn install(
+    workspace: &Path,
+    console: LevelFilter,
+    bars: Option<MultiProgress>,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(workspace)?;
+    let all = Arc::new(Mutex::new(LineWriter::new(File::create(
+        workspace.join("log.txt"),
+    )?)));
+    let file_layer = fmt::layer()
+        .with_ansi(false)
+        .with_writer(move || AllWriter(all.clone()))
+        .with_filter(LevelFilter::INFO);
+    let console_filter = EnvFilter::try_from_env("RANKEXEC_LOG")
+        .or_else(|_| EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| EnvFilter::default().add_directive(console.into()));
+    let is_tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let console_layer = fmt::layer()
+        .with_ansi(is_tty)
+        .with_target(false)
+        .with_writer(move || Console(bars.clone()))
+        .with_filter(console_filter);
+    let sites = SiteFiles {
+        root: workspace.to_owned(),
+        files: Mutex::new(HashMap::new()),
+    }
+    .with_filter(LevelFilter::INFO);
+    tracing_subscriber::registry()
+        .with(file_layer)
+        .with(sites)
+        .with(console_layer)
+        .try_init()
+        .map_err(std::io::Error::other)
+}
+
+struct AllWriter(Arc<Mutex<LineWriter<File>>>);
+
+impl Write for AllWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .flush()
+    }
+}

@@ -1,0 +1,131 @@
+//! Ctrl-C on `rankexec simulate`: the first aborts the job cleanly; a second kills
+//! every rank at once. Either way no rank process is left.
+
+mod common;
+
+use std::io::{BufRead as _, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::{Signal as Sig, kill};
+use nix::unistd::Pid;
+
+fn job_with(dir: &Path, rank_args: &str, grace: &str) {
+    std::fs::create_dir_all(dir.join("app/config")).unwrap();
+    std::fs::write(
+        dir.join("meta.json"),
+        r#"{"name": "interrupt", "min_clients": 2}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("app/config/config_fed_client.json"),
+        format!(
+            r#"{{"executors": [{{"tasks": ["train"], "executor": {{"id": "x", "path": "MultiProcessExecutor", "args": {{
+                "executor_id": "s", "num_of_processes": 2, "worker": {{"program": "rankexec", "args": ["worker"]}},
+                "deadlines": {{"abort_grace": "{grace}", "shutdown_grace": "{grace}", "term_grace": "{grace}"}},
+                "components": [{{"id": "s", "path": "Sleep", "args": {rank_args}}}]}}}}}}]}}"#
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("app/config/config_fed_server.json"),
+        r#"{"workflows": [{"id": "w", "path": "ScatterAndGather", "args": {"num_rounds": 1, "train_timeout": "600s"}}]}"#,
+    )
+    .unwrap();
+}
+
+fn rank_pids(ws: &Path) -> Vec<u32> {
+    let needle = format!("RANKEXEC_LOG_DIR={}", ws.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            pid_alive(*pid)
+                && std::fs::read(format!("/proc/{pid}/environ"))
+                    .map(|env| {
+                        env.split(|b| *b == 0)
+                            .any(|kv| kv.starts_with(needle.as_bytes()))
+                    })
+                    .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn start(job: &Path, ws: &Path) -> (std::process::Child, Vec<u32>) {
+    let child = Command::new(rankexec_bin())
+        .args(["simulate", "--no-progress", "-w"])
+        .arg(ws)
+        .arg(job)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        let pids = rank_pids(ws);
+        if pids.len() == 4 {
+            // Give the groups a moment to reach their task.
+            std::thread::sleep(Duration::from_millis(300));
+            return (child, pids);
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn first_ctrl_c_aborts_cleanly() {
+    let job = tempfile::tempdir().unwrap();
+    job_with(job.path(), r#"{"secs": 600}"#, "2s");
+    let ws = tempfile::tempdir().unwrap();
+    let (mut child, pids) = start(job.path(), ws.path());
+    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
+    let status = child.wait().unwrap();
+    let mut out = String::new();
+    for l in BufReader::new(child.stdout.take().unwrap()).lines() {
+        out.push_str(&l.unwrap());
+        out.push('\n');
+    }
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("status: aborted"), "{out}");
+    assert!(
+        out.contains("reason: interrupted (Ctrl-C or SIGTERM)"),
+        "{out}"
+    );
+    for p in &pids {
+        assert!(!pid_alive(*p), "rank {p} left behind");
+    }
+}
+
+#[test]
+fn second_ctrl_c_kills_at_once() {
+    let job = tempfile::tempdir().unwrap();
+    // Ranks that ignore aborts and SIGTERM, with long graces: only the second Ctrl-C
+    // can end this quickly.
+    job_with(
+        job.path(),
+        r#"{"secs": 600, "ignore_abort": true, "ignore_sigterm": true}"#,
+        "60s",
+    );
+    let ws = tempfile::tempdir().unwrap();
+    let (mut child, pids) = start(job.path(), ws.path());
+    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    if let Err(alive) = wait_gone(&pids, Duration::from_secs(1)) {
+        panic!("ranks {alive:?} survived the second Ctrl-C");
+    }
+    eprintln!(
+        "second Ctrl-C to every rank gone: {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+}
