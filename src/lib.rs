@@ -17,12 +17,14 @@
 //! - [`host`]: the client runtime that hosts executors;
 //! - [`server`]: the FedAvg controller and model persistor;
 //! - [`sim`]: `rankexec simulate`, the whole federation in one process;
-//! - [`signals`]: Ctrl-C handling for binaries.
+//! - [`signals`]: Ctrl-C handling for binaries;
+//! - [`bench`]: `rankexec bench`.
 
 pub use rankexec_executor as executor;
 pub use rankexec_protocol as protocol;
 pub use rankexec_sub_worker as sub_worker;
 
+pub mod bench;
 pub mod host;
 pub mod job;
 pub mod logging;

@@ -54,9 +54,16 @@ fn the_example_loads() {
     assert_eq!(job.workflow.num_rounds, 5);
 }
 
+/// A file, how to break it, and the start of the error that must result.
+type Case = (
+    &'static str,
+    Box<dyn FnOnce(&mut serde_json::Value)>,
+    &'static str,
+);
+
 #[test]
 fn each_kind_of_error_names_file_path_and_expectation() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+    let cases: Vec<Case> = vec![
         (
             CLIENT,
             Box::new(|v| v["executors"][0]["executor"]["path"] = "NoSuchExecutor".into()),

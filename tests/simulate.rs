@@ -117,9 +117,7 @@ fn timeout_job_is_aborted_and_leaves_nothing() {
 fn a_client_that_cannot_start_fails_the_job_with_its_message() {
     let job = tempfile::tempdir().unwrap();
     let src = example("timeout");
-    for sub in ["app/config"] {
-        std::fs::create_dir_all(job.path().join(sub)).unwrap();
-    }
+    std::fs::create_dir_all(job.path().join("app/config")).unwrap();
     std::fs::copy(src.join("meta.json"), job.path().join("meta.json")).unwrap();
     std::fs::copy(
         src.join("app/config/config_fed_server.json"),

@@ -54,27 +54,32 @@ fn rank_pids(ws: &Path) -> Vec<u32> {
         .collect()
 }
 
-fn start(job: &Path, ws: &Path) -> (std::process::Child, Vec<u32>) {
-    let child = Command::new(rankexec_bin())
+fn spawn(job: &Path, ws: &Path) -> std::process::Child {
+    Command::new(rankexec_bin())
         .args(["simulate", "--no-progress", "-w"])
         .arg(ws)
         .arg(job)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// Waits until the 4 ranks run; kills the simulator if they never do.
+fn wait_for_ranks(child: &mut std::process::Child, ws: &Path) -> Vec<u32> {
     let start = Instant::now();
     loop {
         let pids = rank_pids(ws);
         if pids.len() == 4 {
             // Give the groups a moment to reach their task.
             std::thread::sleep(Duration::from_millis(300));
-            return (child, pids);
+            return pids;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "ranks never started"
-        );
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ranks never started");
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -84,7 +89,8 @@ fn first_ctrl_c_aborts_cleanly() {
     let job = tempfile::tempdir().unwrap();
     job_with(job.path(), r#"{"secs": 600}"#, "2s");
     let ws = tempfile::tempdir().unwrap();
-    let (mut child, pids) = start(job.path(), ws.path());
+    let mut child = spawn(job.path(), ws.path());
+    let pids = wait_for_ranks(&mut child, ws.path());
     kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
     let status = child.wait().unwrap();
     let mut out = String::new();
@@ -114,7 +120,8 @@ fn second_ctrl_c_kills_at_once() {
         "60s",
     );
     let ws = tempfile::tempdir().unwrap();
-    let (mut child, pids) = start(job.path(), ws.path());
+    let mut child = spawn(job.path(), ws.path());
+    let pids = wait_for_ranks(&mut child, ws.path());
     kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();

@@ -8,6 +8,8 @@
 
 pub mod digits;
 pub mod fedavg;
+#[cfg(feature = "mpi")]
+pub mod mpi_train;
 
 use rankexec_protocol::Registry;
 
@@ -15,5 +17,7 @@ use rankexec_protocol::Registry;
 pub fn registry() -> Registry {
     let mut r = Registry::new();
     r.executor("DigitsTrainer", fedavg::DigitsTrainer::new);
+    #[cfg(feature = "mpi")]
+    r.executor("MpiDigitsTrainer", mpi_train::MpiDigitsTrainer::new);
     r
 }

@@ -14,6 +14,8 @@ pub mod component;
 pub mod context;
 pub mod env;
 pub mod event;
+#[doc(hidden)]
+pub mod fuzzing;
 mod os;
 pub mod registry;
 pub mod shareable;

@@ -50,6 +50,26 @@ impl Blob {
         }
     }
 
+    /// Builds a blob of `len` bytes directly in sealed shared memory: `fill` writes the
+    /// bytes once, in place, and every local rank maps these same pages, so fanning it
+    /// out costs no copy at all. (A blob made from ordinary bytes is copied into shared
+    /// memory once, when it is first sent.)
+    ///
+    /// ```
+    /// use rankexec_protocol::Blob;
+    /// let b = Blob::shared_with(4, |buf| buf.copy_from_slice(&[1, 2, 3, 4])).unwrap();
+    /// assert!(b.is_shared());
+    /// assert_eq!(&b[..], &[1, 2, 3, 4]);
+    /// ```
+    pub fn shared_with(len: usize, fill: impl FnOnce(&mut [u8])) -> std::io::Result<Blob> {
+        let fd = crate::os::sealed_memfd_with("rankexec-blob", len, fill)?;
+        let (bytes, fd) = crate::os::map_sealed(fd, len as u64).map_err(|e| match e {
+            crate::os::ShmError::Io(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        })?;
+        Ok(Blob::from_sealed_memfd(bytes, fd))
+    }
+
     /// The sealed memory file behind this blob, if it has one.
     pub fn memfd(&self) -> Option<&Arc<OwnedFd>> {
         self.memfd.as_ref()

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod gpus;
 mod run;
 mod simulate;
@@ -22,6 +23,8 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Launch a rank group and run tasks on it (no federation).
     Run(run::RunArgs),
+    /// Measure start-up, round trips, fan-out, events, aborts and crash detection.
+    Bench(bench::BenchArgs),
     /// Print this host's GPUs as NVML reports them (or why there are none).
     Gpus(gpus::GpusArgs),
     /// Run as a rank with the built-in and example components (the executor starts it).
@@ -38,6 +41,7 @@ impl Cli {
             Command::Simulate(a) => simulate::run(a),
             Command::Run(a) => run::run(a),
             Command::Gpus(a) => gpus::run(a),
+            Command::Bench(a) => bench::run(a),
             Command::Worker { args } => Ok(rankexec::sub_worker::main_with_args(
                 rankexec::worker_registry(),
                 args,

@@ -50,7 +50,7 @@ pub enum ClientError {
         event: String,
         /// Why.
         #[source]
-        source: FireEventError,
+        source: Box<FireEventError>,
     },
     /// The task failed.
     #[error("{site}: task `{task}` failed")]
@@ -170,7 +170,7 @@ impl ClientRuntime {
         r.map_err(|source| ClientError::Event {
             site: self.site.clone(),
             event: event.to_string(),
-            source,
+            source: Box::new(source),
         })
     }
 
@@ -211,7 +211,7 @@ impl ClientRuntime {
                 .map_err(|source| ClientError::Event {
                     site: self.site.clone(),
                     event: event.to_string(),
-                    source,
+                    source: Box::new(source),
                 })
         };
         fire(&EventType::BEFORE_TASK_EXECUTION, &mut ctx)?;

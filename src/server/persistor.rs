@@ -53,7 +53,7 @@ impl ModelPersistor {
         }
         let mut text = serde_json::Value::Object(header).to_string().into_bytes();
         // The data must start 8-byte aligned.
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(b' ');
         }
         if let Some(dir) = self.path.parent() {

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `Echo` | executor | returns its input, plus `rank` |
 //! | `Sum` | executor | sums the numbers in meta `values`, times `scale`; returns `sum`, `rank` |
-//! | `Digest` | executor | returns a checksum and the size of every blob (the fan-out benchmark) |
+//! | `Digest` | executor | returns a checksum and the size of every blob (the fan-out benchmark) on chosen ranks |
 //! | `Sleep` | executor | sleeps `secs` (meta or args), waking at once on abort unless `ignore_abort` |
 //! | `Fail` | executor | fails (as an exception or out of memory) on chosen ranks, at build or execute |
 //! | `Panic` | executor | panics on chosen ranks, at build or execute |
@@ -33,7 +33,7 @@ pub fn registry() -> Registry {
     let mut r = Registry::new();
     r.executor("Echo", |_: NoArgs| Ok(Echo))
         .executor("Sum", |a: SumArgs| Ok(Sum(a)))
-        .executor("Digest", |_: NoArgs| Ok(Digest))
+        .executor("Digest", |a: DigestArgs| Ok(Digest(a)))
         .executor("Sleep", sleep)
         .executor("Fail", fail)
         .executor("Panic", panic)
@@ -127,23 +127,46 @@ impl Executor for Sum {
     }
 }
 
-/// A fast checksum (FNV-1a over 64-bit words) that touches every byte once.
+/// A fast checksum that touches every byte once: four independent FNV-style lanes over
+/// 64-bit words (so the multiplications overlap), folded together at the end.
 pub fn checksum(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut chunks = data.chunks_exact(8);
-    for c in &mut chunks {
+    const P: u64 = 0x0000_0100_0000_01b3;
+    let mut h: [u64; 4] = [
+        0xcbf2_9ce4_8422_2325,
+        0x8422_2325_cbf2_9ce4,
+        0x9e37_79b9_7f4a_7c15,
+        0x7f4a_7c15_9e37_79b9,
+    ];
+    let word = |c: &[u8]| {
         let mut w = [0u8; 8];
         w.copy_from_slice(c);
-        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x0000_0100_0000_01b3);
+        u64::from_le_bytes(w)
+    };
+    let mut blocks = data.chunks_exact(32);
+    for b in &mut blocks {
+        for (i, lane) in h.iter_mut().enumerate() {
+            *lane = (*lane ^ word(&b[i * 8..i * 8 + 8])).wrapping_mul(P);
+        }
     }
-    for b in chunks.remainder() {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+    let mut acc = h
+        .iter()
+        .fold(data.len() as u64, |a, l| (a ^ l).wrapping_mul(P));
+    for b in blocks.remainder() {
+        acc = (acc ^ u64::from(*b)).wrapping_mul(P);
     }
-    h
+    acc
 }
 
-/// Returns `digest:NAME` and `bytes:NAME` for every blob.
-struct Digest;
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DigestArgs {
+    #[serde(default)]
+    ranks: Option<Vec<u32>>,
+}
+
+/// Returns `digest:NAME` and `bytes:NAME` for every blob, on chosen ranks (the others
+/// only receive).
+struct Digest(DigestArgs);
 impl FlComponent for Digest {}
 impl Executor for Digest {
     fn execute(
@@ -153,7 +176,11 @@ impl Executor for Digest {
         ctx: &mut FlContext,
         _: &Signal,
     ) -> Result<Shareable, ComponentError> {
-        let mut out = Shareable::new().with_meta("rank", my_rank(ctx));
+        let rank = my_rank(ctx);
+        let mut out = Shareable::new().with_meta("rank", rank);
+        if !acts_on(&self.0.ranks, rank) {
+            return Ok(out);
+        }
         for (name, blob) in input.blobs() {
             // Stored as a signed integer bit pattern: `Value` has no u64.
             out.set_meta(format!("digest:{name}"), checksum(blob) as i64);

@@ -3,12 +3,17 @@
 //! Readers decode frames and report to the dispatcher; they never block on it. The
 //! event-channel reader answers relayed events itself (it fires them on the parent's
 //! engine and writes the reply), so slow handlers on the host never stall task results
-//! or other ranks. The writer owns all writes to the exec and handle channels, so
-//! fanning a task out to N ranks writes N sockets in parallel, and a rank that stops
-//! reading blocks only its own writer (teardown shuts its sockets down).
+//! or other ranks.
+//!
+//! Frames to the exec and handle channels go out straight from the dispatcher with a
+//! non-blocking write when the rank's writer thread is idle (no thread hop for the
+//! small frames of a fan-out: blobs travel as memory files). Whatever cannot go out at
+//! once (a large inline frame, a rank whose buffer is full because it stopped reading)
+//! is finished by the writer thread, in order, so a stuck rank blocks only its own
+//! writer; teardown shuts its sockets down.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
@@ -63,12 +68,15 @@ impl LinkContext {
     }
 }
 
-type Outgoing = (Channel, Arc<Conn>, Arc<OutFrame>);
+/// A frame for the writer thread, with the bytes already sent.
+type Outgoing = (Channel, Arc<Conn>, Arc<OutFrame>, u64);
 
 /// The parent's end of one rank.
 pub(crate) struct RankLink {
     conns: [Option<Arc<Conn>>; 3],
     writer: Option<Sender<Outgoing>>,
+    /// Frames handed to the writer and not yet written.
+    queued: Arc<AtomicUsize>,
     /// The rank's pid, from its hello.
     pub(crate) pid: u32,
     /// The rank's process group, from its hello.
@@ -80,6 +88,7 @@ impl RankLink {
         RankLink {
             conns: [None, None, None],
             writer: None,
+            queued: Arc::new(AtomicUsize::new(0)),
             pid: 0,
             pgid: 0,
         }
@@ -110,23 +119,36 @@ impl RankLink {
             .spawn(move || span.in_scope(|| read_loop(&read_side, channel, &c)))?;
         if self.writer.is_none() {
             let (tx, rx) = unbounded();
-            let c = ctx.clone();
+            let (c, queued) = (ctx.clone(), self.queued.clone());
             let span = tracing::info_span!("rank", rank = ctx.rank);
             std::thread::Builder::new()
                 .name(format!("rx-write-{}", ctx.rank))
-                .spawn(move || span.in_scope(|| write_loop(&rx, &c)))?;
+                .spawn(move || span.in_scope(|| write_loop(&rx, &queued, &c)))?;
             self.writer = Some(tx);
         }
         self.conns[channel.index()] = Some(conn);
         Ok(())
     }
 
-    /// Queues a frame for the writer; false if the channel is not connected.
+    /// Sends a frame: at once when the writer is idle and the socket takes it, else
+    /// through the writer. False if the channel is not connected. Only the dispatcher
+    /// calls this, so an idle writer (nothing queued) cannot become busy meanwhile.
     pub(crate) fn send(&self, channel: Channel, frame: Arc<OutFrame>) -> bool {
-        match (&self.writer, &self.conns[channel.index()]) {
-            (Some(w), Some(conn)) => w.send((channel, conn.clone(), frame)).is_ok(),
-            _ => false,
+        let (Some(w), Some(conn)) = (&self.writer, &self.conns[channel.index()]) else {
+            return false;
+        };
+        let mut written = 0;
+        if self.queued.load(Ordering::Acquire) == 0 {
+            // Errors (a gone rank) are left to the writer, which reports them.
+            if let Ok(n) = frame.try_write_now(conn) {
+                if n == frame.wire_len() {
+                    return true;
+                }
+                written = n;
+            }
         }
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        w.send((channel, conn.clone(), frame, written)).is_ok()
     }
 
     /// Whether the exec channel can pass descriptors.
@@ -156,9 +178,11 @@ fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn write_loop(rx: &Receiver<Outgoing>, ctx: &LinkContext) {
-    for (channel, conn, frame) in rx {
-        if let Err(e) = frame.write_to(&conn) {
+fn write_loop(rx: &Receiver<Outgoing>, queued: &AtomicUsize, ctx: &LinkContext) {
+    for (channel, conn, frame, written) in rx {
+        let result = frame.write_rest(&conn, written);
+        queued.fetch_sub(1, Ordering::AcqRel);
+        if let Err(e) = result {
             match e {
                 FrameError::Io(_) | FrameError::Closed | FrameError::TimedOut => {
                     ctx.report(LinkEvent::Closed(channel))

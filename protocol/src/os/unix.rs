@@ -48,6 +48,33 @@ pub(crate) fn send_with_fds(
     }
 }
 
+/// Sends `bufs` (and `fds`, attached to the first byte) without blocking. Returns the
+/// bytes sent; 0 when the peer's buffer is full.
+pub(crate) fn send_nonblocking(
+    sock: BorrowedFd<'_>,
+    bufs: &[IoSlice<'_>],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<usize> {
+    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("control buffer too small for descriptors"));
+    }
+    loop {
+        match rustix::net::sendmsg(
+            sock,
+            bufs,
+            &mut control,
+            SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+        ) {
+            Ok(n) => return Ok(n),
+            Err(Errno::INTR) => continue,
+            Err(Errno::AGAIN) => return Ok(0),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// Receives into `buf`, appending any passed descriptors to `fds`. More than `max_fds`
 /// descriptors is an error (they are closed).
 pub(crate) fn recv_with_fds(
@@ -104,6 +131,36 @@ pub(crate) fn sealed_memfd(name: &str, parts: &[&[u8]]) -> io::Result<OwnedFd> {
         file.write_all(part)?;
     }
     let fd = OwnedFd::from(file);
+    rustix::fs::fcntl_add_seals(
+        &fd,
+        SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+    )?;
+    Ok(fd)
+}
+
+/// Creates a memory file of `len` bytes, lets `fill` write it in place through a
+/// writable mapping, then seals it: the producer writes its bytes once and every rank
+/// maps the same pages.
+pub(crate) fn sealed_memfd_with(
+    name: &str,
+    len: usize,
+    fill: impl FnOnce(&mut [u8]),
+) -> io::Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    rustix::fs::ftruncate(&fd, len as u64)?;
+    if len > 0 {
+        // SAFETY: the file was created just above and has not been shared: no other
+        // mapping, writer or truncation can exist while this mapping lives. The mapping
+        // is dropped before the file is sealed (F_SEAL_WRITE requires that no writable
+        // shared mapping remains) and before anyone else can see the file.
+        let mut map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(len)
+                .map_mut(fd.as_raw_fd())?
+        };
+        fill(&mut map);
+        drop(map);
+    }
     rustix::fs::fcntl_add_seals(
         &fd,
         SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
@@ -178,6 +235,15 @@ mod tests {
         let fd = sealed_memfd("t", &[b"hello ", b"world"]).unwrap();
         let (bytes, _fd) = map_sealed(fd, 11).unwrap();
         assert_eq!(&bytes[..], b"hello world");
+    }
+
+    #[test]
+    fn memfd_filled_in_place_is_sealed_and_maps() {
+        let fd = sealed_memfd_with("t", 5, |b| b.copy_from_slice(b"abcde")).unwrap();
+        let seals = rustix::fs::fcntl_get_seals(&fd).unwrap();
+        assert!(seals.contains(SealFlags::WRITE | SealFlags::SHRINK | SealFlags::SEAL));
+        let (bytes, _fd) = map_sealed(fd, 5).unwrap();
+        assert_eq!(&bytes[..], b"abcde");
     }
 
     #[test]

@@ -136,16 +136,15 @@ pub fn pack(
         let len = blob.len() as u64;
         let shared = policy.pass_fds && (blob.is_shared() || len >= policy.zero_copy_threshold);
         let carrier = if shared {
-            let fd =
-                match blob.memfd() {
-                    Some(fd) => fd.clone(),
-                    None => Arc::new(os::sealed_memfd(name, &[blob]).map_err(|source| {
-                        PackError::Shm {
-                            name: name.clone(),
-                            source,
-                        }
-                    })?),
-                };
+            let fd = match blob.memfd() {
+                Some(fd) => fd.clone(),
+                None => Arc::new(os::sealed_memfd(&memfd_name(name), &[blob]).map_err(
+                    |source| PackError::Shm {
+                        name: name.clone(),
+                        source,
+                    },
+                )?),
+            };
             fds.push(fd);
             let index = fds.len() - 1;
             if index >= super::frame::MAX_FDS_PER_FRAME as usize {
@@ -169,6 +168,25 @@ pub fn pack(
         meta: shareable.meta_map().clone(),
         blobs,
     })
+}
+
+/// The longest memory-file name [`memfd_name`] produces, in bytes (the kernel's limit
+/// is 249).
+const MEMFD_NAME_MAX: usize = 200;
+
+/// The name of a blob's memory file. It is only a label (`/proc/PID/fd` shows
+/// `memfd:NAME`), but `memfd_create` refuses a name with a NUL byte or longer than 249
+/// bytes, while a blob name may be any string: NULs become `_` and the name is cut at a
+/// character boundary.
+fn memfd_name(blob: &str) -> String {
+    let mut name = String::with_capacity(blob.len().min(MEMFD_NAME_MAX));
+    for c in blob.chars().map(|c| if c == '\0' { '_' } else { c }) {
+        if name.len() + c.len_utf8() > MEMFD_NAME_MAX {
+            break;
+        }
+        name.push(c);
+    }
+    name
 }
 
 /// Rebuilds a shareable from its description, the frame body and the passed files.
@@ -306,6 +324,26 @@ mod tests {
             Arc::ptr_eq(&fds2[0], &original),
             "the same memory file is passed on"
         );
+    }
+
+    #[test]
+    fn any_blob_name_can_be_shared() {
+        // memfd_create refuses NUL bytes and names over 249 bytes; blob names are free.
+        let policy = BlobPolicy {
+            zero_copy_threshold: 1,
+            pass_fds: true,
+        };
+        let s = Shareable::new()
+            .with_blob("nul\0inside", vec![1u8; 4])
+            .with_blob("x".repeat(250), vec![2u8; 4])
+            .with_blob("é".repeat(300), vec![3u8; 4]);
+        let (mut body, mut fds) = (Vec::new(), Vec::new());
+        let wire = pack(&s, policy, &mut body, &mut fds).unwrap();
+        assert_eq!(fds.len(), 3);
+        let fds: Vec<OwnedFd> = fds.iter().map(|f| f.try_clone().unwrap()).collect();
+        assert_eq!(unpack(wire, &Bytes::new(), fds).unwrap(), s);
+        assert_eq!(memfd_name("a\0b"), "a_b");
+        assert_eq!(memfd_name(&"é".repeat(300)).len(), MEMFD_NAME_MAX);
     }
 
     #[test]

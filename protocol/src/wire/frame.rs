@@ -19,6 +19,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -180,8 +181,7 @@ impl OutFrame {
         !self.fds.is_empty()
     }
 
-    /// Writes the frame. Callers serialize writers on one connection.
-    pub fn write_to(&self, conn: &Conn) -> Result<(), FrameError> {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(1 + self.body.len());
         slices.push(IoSlice::new(&self.head));
         slices.extend(
@@ -190,8 +190,35 @@ impl OutFrame {
                 .filter(|b| !b.is_empty())
                 .map(|b| IoSlice::new(b)),
         );
+        slices
+    }
+
+    /// Writes the frame. Callers serialize writers on one connection.
+    pub fn write_to(&self, conn: &Conn) -> Result<(), FrameError> {
+        self.write_rest(conn, 0)
+    }
+
+    /// Tries to write the whole frame without blocking, descriptors included. Returns
+    /// how many bytes went out: all, some, or none when the peer's buffer is full. Finish
+    /// a partial write with [`write_rest`](Self::write_rest). This lets a single
+    /// dispatcher thread send small frames to many peers without a thread hop, and hand
+    /// only a stuck peer's frame to a writer thread.
+    pub fn try_write_now(&self, conn: &Conn) -> Result<u64, FrameError> {
+        if !self.fds.is_empty() && !conn.passes_fds() {
+            return Err(FrameError::FdsUnsupported("tcp"));
+        }
+        let slices = self.slices();
+        let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(|f| f.as_fd()).collect();
+        Ok(os::send_nonblocking(conn.as_fd(), &slices, &fds)? as u64)
+    }
+
+    /// Writes the frame, skipping the first `written` bytes (already sent together with
+    /// the descriptors).
+    pub fn write_rest(&self, conn: &Conn, written: u64) -> Result<(), FrameError> {
+        let mut slices = self.slices();
         let mut bufs: &mut [IoSlice<'_>] = &mut slices;
-        if !self.fds.is_empty() {
+        IoSlice::advance_slices(&mut bufs, written as usize);
+        if written == 0 && !self.fds.is_empty() {
             let Conn::Local(sock) = conn else {
                 return Err(FrameError::FdsUnsupported("tcp"));
             };
@@ -397,6 +424,31 @@ mod tests {
         }
         drop(a);
         assert!(matches!(read_frame(&b, &limits()), Err(FrameError::Closed)));
+    }
+
+    #[test]
+    fn nonblocking_write_then_rest_delivers_one_frame() {
+        let (a, b) = Conn::pair().unwrap();
+        let big = Bytes::from(vec![7u8; 4 << 20]);
+        let f = OutFrame::new(b"h", vec![big.clone()], vec![]);
+        // The socket buffer cannot hold 4 MiB: part goes now, the rest blocks later.
+        let sent = f.try_write_now(&a).unwrap();
+        assert!(sent > 0 && sent < f.wire_len(), "{sent}");
+        let reader = std::thread::spawn(move || {
+            let first = read_frame(&b, &limits_big()).unwrap();
+            let second = read_frame(&b, &limits_big()).unwrap();
+            (first, second)
+        });
+        f.write_rest(&a, sent).unwrap();
+        let small = OutFrame::header_only(b"x");
+        assert_eq!(small.try_write_now(&a).unwrap(), small.wire_len());
+        let (first, second) = reader.join().unwrap();
+        assert_eq!(first.body, big);
+        assert_eq!(second.header, b"x");
+    }
+
+    fn limits_big() -> FrameLimits {
+        FrameLimits::for_max_frame(1 << 30)
     }
 
     #[test]

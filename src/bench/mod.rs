@@ -1,0 +1,112 @@
+//! `rankexec bench`: the figures BENCHMARKS.md reports, measured on this machine.
+//!
+//! - [`cases`]: each measurement (start-up, empty round trip, fan-out against one
+//!   memcpy, event relay, abort, crash detection, parent memory).
+//! - [`report`]: figures, the table, JSON lines.
+//!
+//! Timings are medians; ratios are computed from figures measured in the same run.
+//! Nothing here is asserted: the targets live in BENCHMARKS.md, not in tests.
+
+pub mod cases;
+pub mod report;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use report::{Figure, print};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// JSON lines instead of a table.
+    pub json: bool,
+    /// Fewer repetitions and no 1 GiB payloads.
+    pub quick: bool,
+    /// The worker program (default: `rankexec-worker` next to this binary, else this
+    /// binary's `worker` mode).
+    pub worker: Option<PathBuf>,
+}
+
+/// Runs every measurement and prints each figure as soon as it is known.
+pub fn run(opts: &BenchOptions) -> anyhow::Result<Vec<Figure>> {
+    let exe = std::env::current_exe()?;
+    let sibling = exe.with_file_name("rankexec-worker");
+    let (program, args): (PathBuf, Vec<String>) = match &opts.worker {
+        Some(w) => (w.clone(), Vec::new()),
+        None if sibling.exists() => (sibling, Vec::new()),
+        None => (exe.clone(), vec!["worker".to_owned()]),
+    };
+    let logs = tempfile::tempdir()?;
+    let program_text = program.display().to_string();
+    let setup = cases::Setup {
+        program: &program_text,
+        args: &args,
+        logs: logs.path(),
+    };
+    if !opts.json {
+        println!(
+            "worker: {} {}\n{:<18} {:>5} {:>9} {:>14} {:<9}",
+            program_text,
+            args.join(" "),
+            "figure",
+            "ranks",
+            "payload",
+            "median",
+            "unit"
+        );
+    }
+    let started = Instant::now();
+    let (reps, big) = if opts.quick { (3, false) } else { (7, true) };
+    let mut all = Vec::new();
+    let mut emit = |f: Figure| {
+        print(&f, opts.json);
+        all.push(f);
+    };
+    for n in [1, 2, 4, 8] {
+        emit(cases::startup(&setup, n, reps)?);
+    }
+    for n in [1, 2, 4, 8] {
+        emit(cases::roundtrip(
+            &setup,
+            n,
+            if opts.quick { 100 } else { 500 },
+        )?);
+    }
+    let mut sizes = vec![1usize << 20, 64 << 20, 256 << 20];
+    if big {
+        sizes.push(1 << 30);
+    }
+    for size in sizes {
+        let data = cases::payload(size);
+        let fan_reps = if size >= 256 << 20 { 3 } else { 5 };
+        let copy = cases::memcpy(&data, fan_reps);
+        let yardstick = copy.value;
+        emit(copy);
+        for n in [2, 4, 8] {
+            for shared in [false, true] {
+                let f = cases::fanout(&setup, n, &data, shared, fan_reps)?;
+                let ratio = f.value / yardstick;
+                emit(f.with("ratio_to_memcpy", ratio));
+            }
+        }
+    }
+    for n in [1, 4, 8] {
+        emit(cases::event_relay(&setup, n, 2000, 3)?);
+    }
+    for n in [2, 8] {
+        emit(cases::abort(&setup, n, false, reps)?);
+        emit(cases::abort(&setup, n, true, reps)?);
+    }
+    for n in [2, 8] {
+        emit(cases::crash_detect(&setup, n, reps)?);
+    }
+    emit(cases::parent_peak_rss(
+        &setup,
+        8,
+        if big { 1 << 30 } else { 256 << 20 },
+    )?);
+    if !opts.json {
+        println!("done in {:.1} s", started.elapsed().as_secs_f64());
+    }
+    Ok(all)
+}

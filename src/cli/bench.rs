@@ -1,0 +1,29 @@
+//! `rankexec bench`: measure this machine (see BENCHMARKS.md).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// One JSON object per line and figure.
+    #[arg(long)]
+    json: bool,
+    /// Fewer repetitions and no 1 GiB payloads.
+    #[arg(long)]
+    quick: bool,
+    /// The worker program (default: rankexec-worker next to this binary).
+    #[arg(long)]
+    worker: Option<PathBuf>,
+}
+
+pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
+    rankexec::logging::init("warn");
+    rankexec::bench::run(&rankexec::bench::BenchOptions {
+        json: a.json,
+        quick: a.quick,
+        worker: a.worker,
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
