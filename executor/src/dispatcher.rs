@@ -1340,7 +1340,7 @@ impl Dispatcher {
         };
         for (rank, link) in g.links.iter().enumerate() {
             if t.results[rank].is_none() {
-                link.send(Channel::Exec, frame.clone());
+                link.send(Channel::Handle, frame.clone());
             }
         }
     }

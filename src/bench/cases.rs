@@ -87,6 +87,13 @@ pub fn payload(bytes: usize) -> Vec<u8> {
     v
 }
 
+/// Touches `bytes` of fresh memory once and frees it (see the caller).
+pub fn warm_memory(bytes: usize) {
+    let mut v: Vec<u8> = Vec::with_capacity(bytes);
+    v.resize(bytes, 1);
+    std::hint::black_box(&v);
+}
+
 /// (c, yardstick) One memcpy of `bytes` into freshly allocated memory (what any copy
 /// costs on this machine, page faults included), and into already-touched memory.
 pub fn memcpy(src: &[u8], reps: usize) -> Figure {

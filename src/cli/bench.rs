@@ -16,6 +16,10 @@ pub struct BenchArgs {
     /// The worker program (default: rankexec-worker next to this binary).
     #[arg(long)]
     worker: Option<PathBuf>,
+    /// Only figures whose name starts with one of these (comma separated), e.g.
+    /// `--only roundtrip,fanout`.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -24,6 +28,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         json: a.json,
         quick: a.quick,
         worker: a.worker,
+        only: a.only,
     })?;
     Ok(ExitCode::SUCCESS)
 }

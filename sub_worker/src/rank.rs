@@ -3,10 +3,12 @@
 //!
 //! # Threads
 //!
-//! - **main**: reads the exec channel (`Execute`, `Abort`, `Close`);
-//! - **task**: one long-lived thread runs every task in turn, so libraries that tie
-//!   state to a thread (MPI with `MPI_THREAD_FUNNELED`, CUDA contexts) see one thread;
-//! - **handle**: reads the handle channel and runs event handlers;
+//! - **main**: reads the exec channel (`Execute`, `Close`) and runs every task itself,
+//!   one after another, so libraries that tie state to a thread (MPI with
+//!   `MPI_THREAD_FUNNELED`, CUDA contexts) see one thread, and a task costs no thread
+//!   hop;
+//! - **handle**: reads the handle channel, runs event handlers, and fires the running
+//!   task's abort signal (`Abort`, `Close`);
 //! - **event**: reads the parent's answers to relayed events;
 //! - **heartbeat**: tells the parent every interval that the process is alive.
 //!
@@ -27,7 +29,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender, unbounded};
 use rankexec_protocol::env::{self, RankEnv, vars};
 use rankexec_protocol::wire::envelope::{self, BlobPolicy};
 use rankexec_protocol::wire::message::{Init, Props, RankError, TaskOutput, WireShareable};
@@ -415,21 +416,8 @@ fn serve(settings: Settings, dir: Option<PathBuf>, registry: Registry) -> Result
         let components = built.components.clone();
         move || handle_loop(&rank, &components)
     });
-    let (jobs_tx, jobs_rx) = unbounded::<Job>();
-    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
-    spawn("rx-task", {
-        let rank = rank.clone();
-        let executor = built.executor.clone();
-        move || {
-            task_loop(&rank, &executor, &jobs_rx);
-            let _ = done_tx.send(());
-        }
-    });
-    let code = exec_loop(&rank, &jobs_tx);
+    let code = exec_loop(&rank, &built.executor);
     stop.trigger("closing");
-    drop(jobs_tx);
-    // Give a running task a moment to see its abort signal and return.
-    let _ = done_rx.recv_timeout(Duration::from_secs(2));
     info!("rank closed");
     Ok(code)
 }
@@ -451,7 +439,7 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) {
     }
 }
 
-fn exec_loop(rank: &Rank, jobs: &Sender<Job>) -> u8 {
+fn exec_loop(rank: &Rank, executor: &Arc<dyn Executor>) -> u8 {
     loop {
         let frame = match read_frame(&rank.exec.conn, &parent_limits()) {
             Ok(f) => f,
@@ -466,25 +454,6 @@ fn exec_loop(rank: &Rank, jobs: &Sender<Job>) -> u8 {
         match msg {
             Message::Execute(x) => {
                 let x = *x;
-                let busy = rank
-                    .current
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .as_ref()
-                    .map(|(id, _)| *id);
-                if let Some(running) = busy {
-                    let _ = rank.exec.send(&Message::TaskResult {
-                        task_id: x.task_id,
-                        outcome: Err(RankError {
-                            class: ErrorClass::Protocol,
-                            message: format!(
-                                "task {} arrived while task {running} runs",
-                                x.task_id
-                            ),
-                        }),
-                    });
-                    continue;
-                }
                 let input = match envelope::unpack(x.input, &frame.body, frame.fds) {
                     Ok(s) => s,
                     Err(e) => {
@@ -501,39 +470,24 @@ fn exec_loop(rank: &Rank, jobs: &Sender<Job>) -> u8 {
                 let signal = Signal::new();
                 *rank.current.lock().unwrap_or_else(PoisonError::into_inner) =
                     Some((x.task_id, signal.clone()));
-                let job = Job {
-                    task_id: x.task_id,
-                    task: x.task,
-                    props: x.props,
-                    input,
-                    want_output: x.want_output,
-                    signal,
-                };
-                if jobs.send(job).is_err() {
-                    protocol_violation("exec", "task thread is gone");
-                }
-            }
-            Message::Abort { task_id, reason } => {
-                let current = rank.current.lock().unwrap_or_else(PoisonError::into_inner);
-                match current.as_ref() {
-                    Some((id, signal)) if *id == task_id => {
-                        info!(task_id, %reason, "abort requested");
-                        signal.trigger(reason);
-                    }
-                    _ => debug!(task_id, "abort for a task that is not running"),
-                }
+                // Tasks run here, one after another, on this one long-lived thread; the
+                // handle thread delivers aborts meanwhile.
+                run_task(
+                    rank,
+                    executor,
+                    Job {
+                        task_id: x.task_id,
+                        task: x.task,
+                        props: x.props,
+                        input,
+                        want_output: x.want_output,
+                        signal,
+                    },
+                );
             }
             Message::Close { reason } => {
                 info!(%reason, "close requested");
                 rank.closing.store(true, Ordering::SeqCst);
-                if let Some((_, signal)) = rank
-                    .current
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .as_ref()
-                {
-                    signal.trigger(format!("closing: {reason}"));
-                }
                 return EXIT_OK;
             }
             other => protocol_violation("exec", &format!("unexpected {}", other.kind())),
@@ -541,37 +495,35 @@ fn exec_loop(rank: &Rank, jobs: &Sender<Job>) -> u8 {
     }
 }
 
-fn task_loop(rank: &Rank, executor: &Arc<dyn Executor>, jobs: &Receiver<Job>) {
-    for job in jobs {
-        let span = info_span!("task", task = %job.task, task_id = job.task_id);
-        let _enter = span.enter();
-        let mut ctx = rank.rank_ctx(job.props);
-        let started = std::time::Instant::now();
-        let res = catch_unwind(AssertUnwindSafe(|| {
-            executor.execute(&job.task, job.input, &mut ctx, &job.signal)
-        }));
-        let outcome = match res {
-            // Rank 0 always returns its output; the others only when the executor gathers.
-            Ok(Ok(out)) => pack_output(rank, job.want_output || rank.env.rank == 0, &ctx, &out),
-            Ok(Err(e)) => Err(RankError {
-                class: e.class(),
-                message: e.chain_text(),
-            }),
-            Err(p) => Err(RankError {
-                class: ErrorClass::Panic,
-                message: panic_text(&p),
-            }),
-        };
-        *rank.current.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        match &outcome {
-            Ok(_) => debug!(
-                elapsed_ms = started.elapsed().as_millis() as u64,
-                "task done"
-            ),
-            Err(e) => warn!(class = %e.class, "task failed: {}", e.message),
-        }
-        send_result(rank, job.task_id, outcome);
+fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
+    let span = info_span!("task", task = %job.task, task_id = job.task_id);
+    let _enter = span.enter();
+    let mut ctx = rank.rank_ctx(job.props);
+    let started = std::time::Instant::now();
+    let res = catch_unwind(AssertUnwindSafe(|| {
+        executor.execute(&job.task, job.input, &mut ctx, &job.signal)
+    }));
+    let outcome = match res {
+        // Rank 0 always returns its output; the others only when the executor gathers.
+        Ok(Ok(out)) => pack_output(rank, job.want_output || rank.env.rank == 0, &ctx, &out),
+        Ok(Err(e)) => Err(RankError {
+            class: e.class(),
+            message: e.chain_text(),
+        }),
+        Err(p) => Err(RankError {
+            class: ErrorClass::Panic,
+            message: panic_text(&p),
+        }),
+    };
+    *rank.current.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    match &outcome {
+        Ok(_) => debug!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "task done"
+        ),
+        Err(e) => warn!(class = %e.class, "task failed: {}", e.message),
     }
+    send_result(rank, job.task_id, outcome);
 }
 
 type Packed = (
@@ -694,8 +646,28 @@ fn handle_loop(rank: &Rank, components: &[(String, Component)]) {
                     parent_gone("handle");
                 }
             }
-            Message::Close { .. } => {
+            Message::Abort { task_id, reason } => {
+                let current = rank.current.lock().unwrap_or_else(PoisonError::into_inner);
+                match current.as_ref() {
+                    Some((id, signal)) if *id == task_id => {
+                        info!(task_id, %reason, "abort requested");
+                        signal.trigger(reason);
+                    }
+                    _ => debug!(task_id, "abort for a task that is not running"),
+                }
+            }
+            Message::Close { reason } => {
+                // The exec thread may be inside a task: stop it, then the exec channel's
+                // own Close (or its end of file) ends the rank.
                 rank.closing.store(true, Ordering::SeqCst);
+                if let Some((_, signal)) = rank
+                    .current
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .as_ref()
+                {
+                    signal.trigger(format!("closing: {reason}"));
+                }
                 return;
             }
             other => protocol_violation("handle", &format!("unexpected {}", other.kind())),

@@ -4,8 +4,11 @@
 //!
 //! | channel | parent → rank | rank → parent |
 //! |---|---|---|
-//! | [`Channel::Exec`] | `Init`, `Execute`, `Abort`, `Close` | `InitAck`, `TaskResult` |
-//! | [`Channel::Handle`] | `HandleEvent`, `Close` | `EventAck` |
+//! | [`Channel::Exec`] | `Init`, `Execute`, `Close` | `InitAck`, `TaskResult` |
+//! | [`Channel::Handle`] | `HandleEvent`, `Abort`, `Close` | `EventAck` |
+//!
+//! `Abort` travels on the handle channel: a rank runs its task on the thread that reads
+//! the exec channel, and its handle thread, idle during a task, fires the task's signal.
 //! | [`Channel::Event`] | `EventReply` | `FireEvent`, `Heartbeat` |
 //!
 //! Before any of these, each connection completes the [`Handshake`] (see
@@ -227,7 +230,7 @@ pub enum Message {
     },
     /// Parent → rank (exec): run a task.
     Execute(Box<Execute>),
-    /// Parent → rank (exec): fire the task's abort signal.
+    /// Parent → rank (handle): fire the task's abort signal.
     Abort {
         /// The task to abort.
         task_id: u64,
@@ -324,13 +327,10 @@ impl Message {
             (channel, self),
             (
                 Channel::Exec,
-                Message::Init(_)
-                    | Message::Execute(_)
-                    | Message::Abort { .. }
-                    | Message::Close { .. }
+                Message::Init(_) | Message::Execute(_) | Message::Close { .. }
             ) | (
                 Channel::Handle,
-                Message::HandleEvent { .. } | Message::Close { .. }
+                Message::HandleEvent { .. } | Message::Abort { .. } | Message::Close { .. }
             ) | (Channel::Event, Message::EventReply { .. })
         )
     }
