@@ -36,3 +36,38 @@ fn rank_two_error_names_rank_two() {
     exec.finalize().unwrap();
     assert_gone(&pids, "after finalize");
 }
+
+#[test]
+fn group_serves_the_next_task_after_a_rank_error() {
+    let logs = tempfile::tempdir().unwrap();
+    // Rank 0 fails `raise` tasks only.
+    let cfg = config(
+        2,
+        "Fail",
+        serde_json::json!({"ranks": [0], "tasks": ["raise"], "message": "RuntimeError"}),
+        logs.path(),
+    );
+    let exec = MultiProcessExecutor::new(cfg).unwrap();
+    let mut ctx = start(&exec);
+    let pids = exec.live_pids();
+    let err = exec
+        .run_task("raise", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap_err();
+    assert_eq!(
+        chain(&err),
+        "rank 0 failed: exception: RuntimeError (rank 0)"
+    );
+    let out = exec
+        .run_task(
+            "normal",
+            Shareable::new().with_meta("x", 1),
+            &mut ctx,
+            &Signal::new(),
+        )
+        .unwrap();
+    assert_eq!(out.meta("x").and_then(|v| v.as_i64()), Some(1));
+    // Same processes: a component error is not a reason to relaunch.
+    assert_eq!(exec.live_pids(), pids);
+    exec.finalize().unwrap();
+    assert_gone(&pids, "after finalize");
+}

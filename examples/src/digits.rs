@@ -12,6 +12,27 @@
 
 use rankexec_protocol::{Blob, ComponentError, Shareable};
 
+/// Default training hyper-parameters shared by the trainers' JSON arguments
+/// (`#[serde(default = "digits::defaults::lr")]`).
+pub mod defaults {
+    /// Learning rate: 0.5.
+    pub fn lr() -> f32 {
+        0.5
+    }
+    /// Mini-batch size: 16.
+    pub fn batch_size() -> usize {
+        16
+    }
+    /// Seed of the train/test split: 2026.
+    pub fn seed() -> u64 {
+        2026
+    }
+    /// Share of the data held out for testing: 0.2.
+    pub fn test_fraction() -> f64 {
+        0.2
+    }
+}
+
 /// Features per sample.
 pub const FEATURES: usize = 64;
 /// Classes.

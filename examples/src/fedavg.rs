@@ -32,36 +32,24 @@ pub struct TrainerArgs {
     #[serde(default = "two")]
     pub epochs: u32,
     /// Learning rate.
-    #[serde(default = "half")]
+    #[serde(default = "digits::defaults::lr")]
     pub lr: f32,
     /// Mini-batch size.
-    #[serde(default = "sixteen")]
+    #[serde(default = "digits::defaults::batch_size")]
     pub batch_size: usize,
     /// How clients' data is split.
     #[serde(default)]
     pub partition: Partition,
     /// The seed of the train/test split (the same on every client).
-    #[serde(default = "seed")]
+    #[serde(default = "digits::defaults::seed")]
     pub seed: u64,
     /// Share of the data held out for testing.
-    #[serde(default = "fifth")]
+    #[serde(default = "digits::defaults::test_fraction")]
     pub test_fraction: f64,
 }
 
 fn two() -> u32 {
     2
-}
-fn half() -> f32 {
-    0.5
-}
-fn sixteen() -> usize {
-    16
-}
-fn seed() -> u64 {
-    20_26
-}
-fn fifth() -> f64 {
-    0.2
 }
 
 /// The trainer.

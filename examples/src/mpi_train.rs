@@ -73,33 +73,21 @@ pub struct MpiTrainerArgs {
     #[serde(default = "ten")]
     pub epochs: u32,
     /// Learning rate.
-    #[serde(default = "half")]
+    #[serde(default = "digits::defaults::lr")]
     pub lr: f32,
     /// Samples per rank per step (the global batch is this times the world size).
-    #[serde(default = "sixteen")]
+    #[serde(default = "digits::defaults::batch_size")]
     pub batch_size: usize,
     /// The seed of the train/test split and of the shuffles.
-    #[serde(default = "seed")]
+    #[serde(default = "digits::defaults::seed")]
     pub seed: u64,
     /// Share of the data held out for testing.
-    #[serde(default = "fifth")]
+    #[serde(default = "digits::defaults::test_fraction")]
     pub test_fraction: f64,
 }
 
 fn ten() -> u32 {
     10
-}
-fn half() -> f32 {
-    0.5
-}
-fn sixteen() -> usize {
-    16
-}
-fn seed() -> u64 {
-    20_26
-}
-fn fifth() -> f64 {
-    0.2
 }
 
 /// The longest a process exit waits for `MPI_Finalize` (which waits for every rank).

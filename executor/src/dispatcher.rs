@@ -19,6 +19,7 @@
 //! is gone. A failure while idle is reported to the next task; the task after that
 //! relaunches the group if the restart policy allows.
 
+use rankexec_protocol::error_chain as chain;
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -246,17 +247,6 @@ pub(crate) struct Dispatcher {
     finalized: bool,
     next_task_id: u64,
     next_event_id: u64,
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
 }
 
 fn error_json_message(path: &std::path::Path) -> Option<String> {
@@ -1085,8 +1075,20 @@ impl Dispatcher {
                 .find(|p| matches!(p.role, Role::Rank(r) | Role::ExternalRank(r) if r == rank))
                 .map(|p| p.pid)
         });
+        // A process that ended closes its stderr at once; wait briefly for the last
+        // lines. A rank that is still alive (it reported an error, stopped answering or
+        // broke the protocol) keeps its stderr open: take what is there without waiting,
+        // so the dispatcher never stalls on a live rank.
+        let wait = match cause {
+            FailureCause::Exited(_)
+            | FailureCause::OomKilled
+            | FailureCause::ConnectionClosed(_) => TAIL_WAIT,
+            FailureCause::Reported(_)
+            | FailureCause::Unresponsive(_)
+            | FailureCause::Protocol { .. } => Duration::ZERO,
+        };
         let stderr_tail = g
-            .map(|g| g.tails.tail(Source::Rank(rank), TAIL_WAIT))
+            .map(|g| g.tails.tail(Source::Rank(rank), wait))
             .unwrap_or_default();
         let error_file =
             g.and_then(|g| error_json_message(&g.log_dir.join(format!("rank-{rank}/error.json"))));
@@ -1493,13 +1495,7 @@ impl Dispatcher {
 
     fn force_abort(&mut self) {
         let Some(t) = self.task.take() else { return };
-        let pending: Vec<u32> = t
-            .results
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.is_none())
-            .map(|(i, _)| i as u32)
-            .collect();
+        let pending = missing_ranks(&t.results);
         let (reason, by_user) = match &t.aborting {
             Some((r, _, u)) => (r.clone(), *u),
             None => (String::new(), false),
@@ -1551,13 +1547,7 @@ impl Dispatcher {
 
     fn task_timeout(&mut self) {
         let Some(t) = self.task.take() else { return };
-        let pending: Vec<u32> = t
-            .results
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.is_none())
-            .map(|(i, _)| i as u32)
-            .collect();
+        let pending = missing_ranks(&t.results);
         let err = ExecuteError::Timeout {
             task: t.cmd.task.clone(),
             timeout: self.cfg.deadlines.task.0,
@@ -1638,13 +1628,7 @@ impl Dispatcher {
         let Some(op) = self.events.remove(&id) else {
             return;
         };
-        let pending: Vec<u32> = op
-            .acks
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.is_none())
-            .map(|(i, _)| i as u32)
-            .collect();
+        let pending = missing_ranks(&op.acks);
         let err = EventError::Timeout {
             event: op.cmd.event.to_string(),
             timeout: self.cfg.deadlines.event.0,
@@ -1952,4 +1936,13 @@ fn describe_missing(g: &Group) -> String {
     } else {
         parts.join("; ")
     }
+}
+
+/// The ranks (slot indices) that have not answered yet.
+fn missing_ranks<T>(answers: &[Option<T>]) -> Vec<u32> {
+    (0u32..)
+        .zip(answers)
+        .filter(|(_, a)| a.is_none())
+        .map(|(rank, _)| rank)
+        .collect()
 }

@@ -243,14 +243,7 @@ impl FlComponent for MultiProcessExecutor {
             return Ok(());
         }
         let wrap = |e: &dyn std::error::Error, class| {
-            let mut text = e.to_string();
-            let mut cur = e.source();
-            while let Some(s) = cur {
-                text.push_str(": ");
-                text.push_str(&s.to_string());
-                cur = s.source();
-            }
-            ComponentError::new(class, text)
+            ComponentError::new(class, rankexec_protocol::error_chain(e))
         };
         if *event == EventType::START_RUN {
             self.start(ctx)

@@ -7,10 +7,12 @@
 //!   without a collective library (local SGD with model averaging).
 //!
 //! [`weighted_average`] is the one implementation; a federated server uses it for
-//! FedAvg across clients too.
+//! FedAvg across clients too. It can write large averages straight into sealed shared
+//! memory ([`Blob::shared_with`]), so a global model that is then sent to every client's
+//! ranks is never copied again: each rank maps the same pages.
 
-use rankexec_protocol::Shareable;
 use rankexec_protocol::wire::message::Props;
+use rankexec_protocol::{Blob, Shareable};
 
 use crate::error::GatherError;
 
@@ -37,6 +39,10 @@ pub fn weight_of(who: &str, s: &Shareable, key: &str) -> Result<f64, GatherError
 
 /// Averages the `f32` blobs `names` over `parts`, weighted. Accumulates in `f64`.
 ///
+/// An average of at least `shared_from` bytes is written once, in place, into a sealed
+/// memory file (falling back to ordinary memory if one cannot be made); pass
+/// `usize::MAX` to keep every average in ordinary memory.
+///
 /// ```
 /// use rankexec_executor::result::{Weighted, weighted_average};
 /// use rankexec_protocol::Shareable;
@@ -45,13 +51,15 @@ pub fn weight_of(who: &str, s: &Shareable, key: &str) -> Result<f64, GatherError
 /// let avg = weighted_average(
 ///     &[Weighted { who: "a", weight: 3.0, shareable: &a }, Weighted { who: "b", weight: 1.0, shareable: &b }],
 ///     &["w".to_string()],
+///     usize::MAX,
 /// ).unwrap();
-/// assert_eq!(avg[0].1, 1.0f32.to_le_bytes().to_vec());
+/// assert_eq!(&avg[0].1[..], &1.0f32.to_le_bytes()[..]);
 /// ```
 pub fn weighted_average(
     parts: &[Weighted<'_>],
     names: &[String],
-) -> Result<Vec<(String, Vec<u8>)>, GatherError> {
+    shared_from: usize,
+) -> Result<Vec<(String, Blob)>, GatherError> {
     let first = parts.first().ok_or(GatherError::Empty)?;
     let total: f64 = parts.iter().map(|p| p.weight).sum();
     if total <= 0.0 || !total.is_finite() {
@@ -99,12 +107,23 @@ pub fn weighted_average(
                 *a += f64::from(f32::from_le_bytes(x)) * p.weight;
             }
         }
-        out.push((
-            name.clone(),
-            acc.into_iter()
-                .flat_map(|a| ((a / total) as f32).to_le_bytes())
-                .collect(),
-        ));
+        let fill = |buf: &mut [u8]| {
+            for (dst, a) in buf.chunks_exact_mut(4).zip(&acc) {
+                dst.copy_from_slice(&((a / total) as f32).to_le_bytes());
+            }
+        };
+        let shared = (len >= shared_from)
+            .then(|| Blob::shared_with(len, fill))
+            .and_then(|r| {
+                r.map_err(|e| tracing::debug!("average `{name}` kept in ordinary memory: {e}"))
+                    .ok()
+            });
+        let blob = shared.unwrap_or_else(|| {
+            let mut v = vec![0u8; len];
+            fill(&mut v);
+            Blob::from(v)
+        });
+        out.push((name.clone(), blob));
     }
     Ok(out)
 }
@@ -125,7 +144,8 @@ pub(crate) fn reduce(
         });
     }
     let total: f64 = parts.iter().map(|p| p.weight).sum();
-    let averaged = weighted_average(&parts, average).map_err(|e| match e {
+    // The average goes back to the host, not to ranks: ordinary memory.
+    let averaged = weighted_average(&parts, average, usize::MAX).map_err(|e| match e {
         GatherError::ZeroWeight { total, .. } => GatherError::ZeroWeight {
             key: weight_key.to_owned(),
             total,
@@ -172,6 +192,30 @@ mod tests {
             .collect();
         assert_eq!(vals, [3.0, 1.0]);
         assert_eq!(s.meta("n").and_then(|v| v.as_f64()), Some(4.0));
+    }
+
+    #[test]
+    fn large_averages_are_built_in_shared_memory() {
+        let (a, b) = (out(1.0, &[1.0; 64]).1, out(1.0, &[3.0; 64]).1);
+        let parts = [
+            Weighted {
+                who: "a",
+                weight: 1.0,
+                shareable: &a,
+            },
+            Weighted {
+                who: "b",
+                weight: 1.0,
+                shareable: &b,
+            },
+        ];
+        let names = ["w".to_owned()];
+        let shared = weighted_average(&parts, &names, 256).unwrap();
+        let heap = weighted_average(&parts, &names, 257).unwrap();
+        assert!(shared[0].1.is_shared(), "256 bytes >= 256: shared");
+        assert!(!heap[0].1.is_shared(), "256 bytes < 257: ordinary memory");
+        assert_eq!(&shared[0].1[..], &heap[0].1[..]);
+        assert_eq!(&heap[0].1[..], &f32s(&[2.0; 64])[..]);
     }
 
     #[test]

@@ -139,15 +139,26 @@ impl ComponentError {
 
     /// The message followed by every source, joined by `": "`.
     pub fn chain_text(&self) -> String {
-        let mut text = self.message.clone();
-        let mut cur = StdError::source(self);
-        while let Some(e) = cur {
-            text.push_str(": ");
-            text.push_str(&e.to_string());
-            cur = e.source();
-        }
-        text
+        error_chain(self)
     }
+}
+
+/// An error followed by every source, joined by `": "` (what `{:#}` prints in anyhow).
+///
+/// ```
+/// use rankexec_protocol::{ComponentError, error_chain};
+/// let e = ComponentError::failed("cannot load").with_source(std::io::Error::other("disk full"));
+/// assert_eq!(error_chain(&e), "cannot load: disk full");
+/// ```
+pub fn error_chain(e: &dyn StdError) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        cur = s.source();
+    }
+    text
 }
 
 /// Why an event could not be fired through an [`Engine`].

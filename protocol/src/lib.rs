@@ -23,7 +23,9 @@ pub mod signal;
 pub mod value;
 pub mod wire;
 
-pub use component::{ComponentError, Engine, ErrorClass, Executor, FireEventError, FlComponent};
+pub use component::{
+    ComponentError, Engine, ErrorClass, Executor, FireEventError, FlComponent, error_chain,
+};
 pub use context::{FlContext, Prop, PropConflict, PropFlags, keys};
 pub use event::EventType;
 pub use os::ShmError;

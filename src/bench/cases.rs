@@ -25,7 +25,8 @@ pub struct Setup<'a> {
 }
 
 impl Setup<'_> {
-    fn config(&self, n: u32, path: &str, args: serde_json::Value) -> ExecutorConfig {
+    /// A group of `n` ranks running the built-in component `path`.
+    pub fn config(&self, n: u32, path: &str, args: serde_json::Value) -> ExecutorConfig {
         let mut c = ExecutorConfig::simple(n, path, args);
         c.worker.program = self.program.to_owned();
         c.worker.args = self.args.to_vec();

@@ -3,11 +3,13 @@
 //! - [`cases`]: each measurement (start-up, empty round trip, fan-out against one
 //!   memcpy, event relay, abort, crash detection, parent memory).
 //! - [`report`]: figures, the table, JSON lines.
+//! - [`peer`]: the NVFlare peer harness's experiments, as that harness's own records.
 //!
 //! Timings are medians; ratios are computed from figures measured in the same run.
 //! Nothing here is asserted: the targets live in BENCHMARKS.md, not in tests.
 
 pub mod cases;
+pub mod peer;
 pub mod report;
 
 use std::path::PathBuf;
@@ -27,6 +29,8 @@ pub struct BenchOptions {
     pub worker: Option<PathBuf>,
     /// Only these figures (empty: all).
     pub only: Vec<String>,
+    /// Run a peer harness's experiments instead (`nvflare`), printing its records.
+    pub peer: Option<String>,
 }
 
 /// Runs every measurement and prints each figure as soon as it is known.
@@ -45,6 +49,13 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<Vec<Figure>> {
         args: &args,
         logs: logs.path(),
     };
+    if let Some(peer) = &opts.peer {
+        if peer != "nvflare" {
+            anyhow::bail!("unknown peer `{peer}` (expected nvflare)");
+        }
+        peer::run(&setup, opts.quick)?;
+        return Ok(Vec::new());
+    }
     if !opts.json {
         println!(
             "worker: {} {}\n{:<18} {:>5} {:>9} {:>14} {:<9}",

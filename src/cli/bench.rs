@@ -20,6 +20,10 @@ pub struct BenchArgs {
     /// `--only roundtrip,fanout`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Run the experiments of a peer's harness instead and print its JSON records
+    /// (`nvflare`: `shared/peers/nvflare`; render with its `summarize.py`).
+    #[arg(long)]
+    peer: Option<String>,
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -29,6 +33,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<ExitCode> {
         quick: a.quick,
         worker: a.worker,
         only: a.only,
+        peer: a.peer,
     })?;
     Ok(ExitCode::SUCCESS)
 }

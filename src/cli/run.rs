@@ -11,7 +11,9 @@ use std::time::Instant;
 use anyhow::Context as _;
 use clap::Args;
 use rankexec::executor::{ExecutorConfig, MultiProcessExecutor};
-use rankexec::protocol::{EventType, FlComponent, FlContext, Shareable, Signal, Value};
+use rankexec::protocol::{
+    EventType, FlComponent, FlContext, Shareable, Signal, Value, error_chain,
+};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -105,12 +107,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                 );
             }
             Err(e) => {
-                let mut text = format!("round {round}: failed: {e}");
-                let mut src = std::error::Error::source(&e);
-                while let Some(s) = src {
-                    text.push_str(&format!(": {s}"));
-                    src = s.source();
-                }
+                let mut text = format!("round {round}: failed: {}", error_chain(&e));
                 if let Some(f) = e.root_cause() {
                     text.push('\n');
                     text.push_str(&f.report());

@@ -24,7 +24,7 @@ use std::time::Duration;
 use rankexec_executor::config::resolve_program;
 use rankexec_executor::gpu::NvmlProbe;
 use rankexec_executor::{ExecutorConfig, admission};
-use rankexec_protocol::{ComponentConfig, Registry};
+use rankexec_protocol::{ComponentConfig, Registry, error_chain};
 use serde::de::DeserializeOwned;
 
 use super::model::{ClientAppConfig, Meta, PersistorArgs, ScatterAndGatherArgs, ServerAppConfig};
@@ -294,13 +294,9 @@ pub fn load(dir: &Path, in_process: &Registry) -> Result<Job, JobError> {
             }
             ExecutorKind::MultiProcess(Box::new(cfg))
         } else if in_process.contains(&c.path) {
-            in_process.check(c).map_err(|e| {
-                let mut text = e.to_string();
-                if let Some(src) = std::error::Error::source(&e) {
-                    text = format!("{text}: {src}");
-                }
-                JobError::new(CLIENT, format!("{base}.executor"), text)
-            })?;
+            in_process
+                .check(c)
+                .map_err(|e| JobError::new(CLIENT, format!("{base}.executor"), error_chain(&e)))?;
             ExecutorKind::InProcess(c.clone())
         } else {
             return Err(JobError::new(
@@ -324,13 +320,9 @@ pub fn load(dir: &Path, in_process: &Registry) -> Result<Job, JobError> {
         });
     }
     for (i, c) in client.components.iter().enumerate() {
-        in_process.check(c).map_err(|e| {
-            let mut text = e.to_string();
-            if let Some(src) = std::error::Error::source(&e) {
-                text = format!("{text}: {src}");
-            }
-            JobError::new(CLIENT, format!("components[{i}]"), text)
-        })?;
+        in_process
+            .check(c)
+            .map_err(|e| JobError::new(CLIENT, format!("components[{i}]"), error_chain(&e)))?;
     }
 
     let [wf] = server.workflows.as_slice() else {

@@ -25,6 +25,9 @@ use serde::Serialize;
 use tracing::{info, warn};
 
 use super::persistor::ModelPersistor;
+
+/// A global-model blob at least this large is built in sealed shared memory.
+const SHARED_FROM: usize = 64 << 10;
 use crate::job::model::ScatterAndGatherArgs;
 
 /// How long a client may take to return after its task was aborted, before the
@@ -392,7 +395,9 @@ impl ScatterAndGather {
                         })
                     })
                     .collect();
-            let averaged = match parts.and_then(|p| weighted_average(&p, &names)) {
+            // Written straight into shared memory when large: every client's executor
+            // then hands the same sealed pages to all of its ranks, with no copy.
+            let averaged = match parts.and_then(|p| weighted_average(&p, &names, SHARED_FROM)) {
                 Ok(a) => a,
                 Err(e) => {
                     return ended(

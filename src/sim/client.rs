@@ -5,6 +5,7 @@
 //! groups than allowed), runs the task, and parks its rank groups again when places are
 //! capped.
 
+use rankexec_protocol::error_chain as chain;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rankexec_protocol::{ErrorClass, Shareable, Signal};
@@ -17,17 +18,6 @@ pub struct SimClient {
     runtime: ClientRuntime,
     gate: Arc<GroupGate>,
     started: Mutex<Option<Result<(), String>>>,
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
 }
 
 impl SimClient {

@@ -6,7 +6,7 @@
 //! | `Sum` | executor | sums the numbers in meta `values`, times `scale`; returns `sum`, `rank` |
 //! | `Digest` | executor | returns a checksum and the size of every blob (the fan-out benchmark) on chosen ranks |
 //! | `Sleep` | executor | sleeps `secs` (meta or args), waking at once on abort unless `ignore_abort` |
-//! | `Fail` | executor | fails (as an exception or out of memory) on chosen ranks, at build or execute |
+//! | `Fail` | executor | fails (as an exception or out of memory) on chosen ranks (and `tasks`), at build or execute |
 //! | `Panic` | executor | panics on chosen ranks, at build or execute |
 //! | `Exit` | executor | exits with a code or kills itself with a signal on chosen ranks |
 //! | `FireEvent` | executor | fires a custom event `count` times and returns what the parent added |
@@ -35,9 +35,9 @@ pub fn registry() -> Registry {
         .executor("Sum", |a: SumArgs| Ok(Sum(a)))
         .executor("Digest", |a: DigestArgs| Ok(Digest(a)))
         .executor("Sleep", sleep)
-        .executor("Fail", fail)
-        .executor("Panic", panic)
-        .executor("Exit", exit)
+        .executor("Fail", OnPurpose::<FailArgs>::build)
+        .executor("Panic", OnPurpose::<PanicArgs>::build)
+        .executor("Exit", OnPurpose::<ExitArgs>::build)
         .executor("FireEvent", |a: FireEventArgs| Ok(FireEvent(a)))
         .executor("Env", |_: NoArgs| Ok(Env))
         .executor("Alloc", |a: AllocArgs| Ok(Alloc(a)))
@@ -265,45 +265,81 @@ struct FailArgs {
     when: When,
     #[serde(default)]
     class: FailClass,
+    /// Only these task names fail (default: every task).
+    #[serde(default)]
+    tasks: Option<Vec<String>>,
 }
 
 fn default_fail_message() -> String {
     "failed on purpose".to_owned()
 }
 
-fn fail_error(a: &FailArgs, rank: i64) -> ComponentError {
-    let msg = format!("{} (rank {rank})", a.message);
-    match a.class {
-        FailClass::Exception => ComponentError::failed(msg),
-        FailClass::OutOfMemory => ComponentError::out_of_memory(msg),
+/// A way to misbehave on purpose (fail, panic, exit) on chosen ranks, at build or at execute.
+///
+/// [`OnPurpose`] turns one into an executor that misbehaves where the arguments say and echoes
+/// the input (with its rank in the meta) everywhere else.
+trait Misbehaviour: Sized + Send + Sync + 'static {
+    /// The ranks that misbehave (`None` = all).
+    fn ranks(&self) -> &Option<Vec<u32>>;
+    /// When to misbehave.
+    fn when(&self) -> When;
+    /// Misbehaves; returns the error to report when the misbehaviour returns at all.
+    fn act(&self, rank: i64) -> ComponentError;
+    /// Whether a task of this name misbehaves (default: every task).
+    fn on_task(&self, _task: &str) -> bool {
+        true
     }
 }
 
-/// Fails on purpose, at build or execute, on chosen ranks; echoes elsewhere.
-struct Fail(FailArgs);
+/// The executor built from a [`Misbehaviour`].
+struct OnPurpose<M>(M);
 
-fn fail(a: FailArgs) -> Result<Fail, ComponentError> {
-    let rank = build_rank();
-    if a.when == When::Build && acts_on(&a.ranks, rank) {
-        return Err(fail_error(&a, rank));
+impl<M: Misbehaviour> OnPurpose<M> {
+    fn build(args: M) -> Result<Self, ComponentError> {
+        let rank = build_rank();
+        if args.when() == When::Build && acts_on(args.ranks(), rank) {
+            return Err(args.act(rank));
+        }
+        Ok(Self(args))
     }
-    Ok(Fail(a))
 }
 
-impl FlComponent for Fail {}
-impl Executor for Fail {
+impl<M: Misbehaviour> FlComponent for OnPurpose<M> {}
+impl<M: Misbehaviour> Executor for OnPurpose<M> {
     fn execute(
         &self,
-        _: &str,
+        task: &str,
         input: Shareable,
         ctx: &mut FlContext,
         _: &Signal,
     ) -> Result<Shareable, ComponentError> {
         let rank = my_rank(ctx);
-        if self.0.when == When::Execute && acts_on(&self.0.ranks, rank) {
-            return Err(fail_error(&self.0, rank));
+        if self.0.when() == When::Execute && acts_on(self.0.ranks(), rank) && self.0.on_task(task) {
+            return Err(self.0.act(rank));
         }
         Ok(input.with_meta("rank", rank))
+    }
+}
+
+/// `Fail`: returns a component error (an exception, or out-of-memory).
+impl Misbehaviour for FailArgs {
+    fn ranks(&self) -> &Option<Vec<u32>> {
+        &self.ranks
+    }
+    fn when(&self) -> When {
+        self.when
+    }
+    fn act(&self, rank: i64) -> ComponentError {
+        let msg = format!("{} (rank {rank})", self.message);
+        match self.class {
+            FailClass::Exception => ComponentError::failed(msg),
+            FailClass::OutOfMemory => ComponentError::out_of_memory(msg),
+        }
+    }
+    fn on_task(&self, task: &str) -> bool {
+        self.tasks
+            .as_ref()
+            .is_none_or(|t| t.iter().any(|name| name == task))
     }
 }
 
@@ -316,31 +352,19 @@ struct PanicArgs {
     when: When,
 }
 
-/// Panics on purpose; echoes elsewhere.
-struct Panicker(PanicArgs);
-
-fn panic(a: PanicArgs) -> Result<Panicker, ComponentError> {
-    let rank = build_rank();
-    if a.when == When::Build && acts_on(&a.ranks, rank) {
-        panic!("panic on purpose while building (rank {rank})");
+/// `Panic`: panics (the rank reports the panic as a failure and stays up).
+impl Misbehaviour for PanicArgs {
+    fn ranks(&self) -> &Option<Vec<u32>> {
+        &self.ranks
     }
-    Ok(Panicker(a))
-}
-
-impl FlComponent for Panicker {}
-impl Executor for Panicker {
-    fn execute(
-        &self,
-        _: &str,
-        input: Shareable,
-        ctx: &mut FlContext,
-        _: &Signal,
-    ) -> Result<Shareable, ComponentError> {
-        let rank = my_rank(ctx);
-        if self.0.when == When::Execute && acts_on(&self.0.ranks, rank) {
-            panic!("panic on purpose (rank {rank})");
+    fn when(&self) -> When {
+        self.when
+    }
+    fn act(&self, rank: i64) -> ComponentError {
+        match self.when {
+            When::Build => panic!("panic on purpose while building (rank {rank})"),
+            When::Execute => panic!("panic on purpose (rank {rank})"),
         }
-        Ok(input.with_meta("rank", rank))
     }
 }
 
@@ -363,51 +387,33 @@ fn one_i32() -> i32 {
     1
 }
 
-/// Ends the process on purpose, on chosen ranks; echoes elsewhere.
-struct Exit(ExitArgs);
-
-fn die(a: &ExitArgs, rank: i64) -> ComponentError {
-    if let Some(msg) = &a.error_file_message {
-        crate::errorfile::write(
-            "RuntimeError",
-            msg,
-            &format!("rank {rank} exited on purpose"),
-        );
+/// `Exit`: ends the process with a code or a signal, optionally writing a torchrun-style
+/// error file first.
+impl Misbehaviour for ExitArgs {
+    fn ranks(&self) -> &Option<Vec<u32>> {
+        &self.ranks
     }
-    let _ = std::io::stderr().flush();
-    if let Some(sig) = &a.signal {
-        if let Err(e) = crate::os::kill_self(sig) {
-            return ComponentError::failed("cannot signal myself").with_source(e);
+    fn when(&self) -> When {
+        self.when
+    }
+    fn act(&self, rank: i64) -> ComponentError {
+        if let Some(msg) = &self.error_file_message {
+            crate::errorfile::write(
+                "RuntimeError",
+                msg,
+                &format!("rank {rank} exited on purpose"),
+            );
         }
-        // The signal is delivered before kill returns for most signals; wait for it.
-        std::thread::sleep(Duration::from_secs(5));
-        return ComponentError::failed(format!("{sig} did not end the process"));
-    }
-    std::process::exit(a.code);
-}
-
-fn exit(a: ExitArgs) -> Result<Exit, ComponentError> {
-    let rank = build_rank();
-    if a.when == When::Build && acts_on(&a.ranks, rank) {
-        return Err(die(&a, rank));
-    }
-    Ok(Exit(a))
-}
-
-impl FlComponent for Exit {}
-impl Executor for Exit {
-    fn execute(
-        &self,
-        _: &str,
-        input: Shareable,
-        ctx: &mut FlContext,
-        _: &Signal,
-    ) -> Result<Shareable, ComponentError> {
-        let rank = my_rank(ctx);
-        if self.0.when == When::Execute && acts_on(&self.0.ranks, rank) {
-            return Err(die(&self.0, rank));
+        let _ = std::io::stderr().flush();
+        if let Some(sig) = &self.signal {
+            if let Err(e) = crate::os::kill_self(sig) {
+                return ComponentError::failed("cannot signal myself").with_source(e);
+            }
+            // The signal is delivered before kill returns for most signals; wait for it.
+            std::thread::sleep(Duration::from_secs(5));
+            return ComponentError::failed(format!("{sig} did not end the process"));
         }
-        Ok(input.with_meta("rank", rank))
+        std::process::exit(self.code);
     }
 }
 

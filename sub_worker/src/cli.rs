@@ -87,11 +87,7 @@ fn check(registry: &Registry, arg: Option<&str>) -> ExitCode {
         .iter()
         .filter_map(|c| registry.check(c).err().map(|e| (c, e)))
         .map(|(c, e)| {
-            let mut text = e.to_string();
-            if let Some(src) = std::error::Error::source(&e) {
-                text.push_str(": ");
-                text.push_str(&src.to_string());
-            }
+            let text = rankexec_protocol::error_chain(&e);
             serde_json::json!({"id": c.id, "path": c.path, "error": text})
         })
         .collect();

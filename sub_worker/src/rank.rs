@@ -23,6 +23,7 @@
 //! - `SIGTERM` keeps its default action (terminate at once). Put cleanup in an
 //!   `END_RUN` handler: the parent delivers `END_RUN` before it closes the group.
 
+use rankexec_protocol::error_chain as chain;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -187,17 +188,6 @@ pub fn run(registry: Registry) -> std::process::ExitCode {
         Ok(code) => std::process::ExitCode::from(code),
         Err(e) => startup_failure(&e),
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
 }
 
 fn startup_failure(e: &StartupError) -> std::process::ExitCode {

@@ -153,16 +153,8 @@ pub fn start(exec: &MultiProcessExecutor) -> FlContext {
 }
 
 /// The whole error chain as text.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
-}
+#[allow(unused_imports)]
+pub use rankexec::protocol::error_chain as chain;
 
 /// An event as the engine saw it: name, the rank it came from, its context values.
 pub type Recorded = (String, Option<i64>, BTreeMap<String, Value>);

@@ -236,11 +236,7 @@ fn accept_loop(
                                 hello,
                             }),
                             Err(e) => {
-                                let mut text = e.to_string();
-                                if let Some(src) = std::error::Error::source(&e) {
-                                    text.push_str(": ");
-                                    text.push_str(&src.to_string());
-                                }
+                                let text = rankexec_protocol::error_chain(&e);
                                 tracing::warn!(%peer, "refused connection: {text}");
                             }
                         }

@@ -12,6 +12,7 @@
 //! is finished by the writer thread, in order, so a stuck rank blocks only its own
 //! writer; teardown shuts its sockets down.
 
+use rankexec_protocol::error_chain as chain;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -165,17 +166,6 @@ impl RankLink {
         }
         self.writer = None;
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
 }
 
 fn write_loop(rx: &Receiver<Outgoing>, queued: &AtomicUsize, ctx: &LinkContext) {

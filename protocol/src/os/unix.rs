@@ -15,7 +15,7 @@
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
@@ -34,18 +34,7 @@ pub(crate) fn send_with_fds(
     bufs: &[IoSlice<'_>],
     fds: &[BorrowedFd<'_>],
 ) -> io::Result<usize> {
-    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
-    let mut control = SendAncillaryBuffer::new(&mut space);
-    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
-        return Err(io::Error::other("control buffer too small for descriptors"));
-    }
-    loop {
-        match rustix::net::sendmsg(sock, bufs, &mut control, SendFlags::NOSIGNAL) {
-            Ok(n) => return Ok(n),
-            Err(Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
+    send_msg(sock.as_fd(), bufs, fds, SendFlags::NOSIGNAL)
 }
 
 /// Sends `bufs` (and `fds`, attached to the first byte) without blocking. Returns the
@@ -55,21 +44,28 @@ pub(crate) fn send_nonblocking(
     bufs: &[IoSlice<'_>],
     fds: &[BorrowedFd<'_>],
 ) -> io::Result<usize> {
+    match send_msg(sock, bufs, fds, SendFlags::NOSIGNAL | SendFlags::DONTWAIT) {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        other => other,
+    }
+}
+
+/// One `sendmsg` with `fds` as `SCM_RIGHTS`, retried on `EINTR`.
+fn send_msg(
+    sock: BorrowedFd<'_>,
+    bufs: &[IoSlice<'_>],
+    fds: &[BorrowedFd<'_>],
+    flags: SendFlags,
+) -> io::Result<usize> {
     let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len().max(1)))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(io::Error::other("control buffer too small for descriptors"));
     }
     loop {
-        match rustix::net::sendmsg(
-            sock,
-            bufs,
-            &mut control,
-            SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
-        ) {
+        match rustix::net::sendmsg(sock, bufs, &mut control, flags) {
             Ok(n) => return Ok(n),
             Err(Errno::INTR) => continue,
-            Err(Errno::AGAIN) => return Ok(0),
             Err(e) => return Err(e.into()),
         }
     }
