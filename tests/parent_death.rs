@@ -1,9 +1,12 @@
 //! The host process is SIGKILLed: every rank disappears within a second, whether the
-//! kernel's parent-death signal or the connection's end of file tells it.
+//! kernel's parent-death signal or the connection's end of file tells it, and whether
+//! the rank is idle or inside a task (its service threads notice; a closed stderr does
+//! not stop them).
 
 mod common;
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -11,13 +14,13 @@ use common::*;
 use nix::sys::signal::{Signal as Sig, kill};
 use nix::unistd::Pid;
 
-fn spawn_host(extra: &[&str]) -> (std::process::Child, Vec<u32>) {
+fn spawn_host(extra: &[&str]) -> (std::process::Child, Vec<u32>, PathBuf) {
     let logs = tempfile::tempdir().unwrap().keep();
     let mut child = Command::new(rankexec_bin())
         .args(["run", "--task", "t", "--print-pids", "--log-dir"])
         .arg(&logs)
         .args(extra)
-        .env("RANKEXEC_LOG", "warn")
+        .env("RANKEXEC_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -33,7 +36,18 @@ fn spawn_host(extra: &[&str]) -> (std::process::Child, Vec<u32>) {
                 .collect::<Vec<u32>>();
         }
     };
-    (child, pids)
+    (child, pids, logs)
+}
+
+/// Waits (bounded) until the rank's stderr log (the launcher's, for a launched rank)
+/// shows it inside its `Sleep` task.
+fn wait_in_task(logs: &Path) {
+    let file = logs.join("launcher/stderr.log");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(&file).is_ok_and(|t| t.contains("sleeping")) {
+        assert!(Instant::now() < deadline, "rank 0 never started its task");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 fn kill_host_and_time(mut host: std::process::Child, pids: &[u32]) -> Duration {
@@ -51,7 +65,7 @@ fn kill_host_and_time(mut host: std::process::Child, pids: &[u32]) -> Duration {
 
 #[test]
 fn ranks_die_with_the_host_builtin_launcher() {
-    let (host, pids) = spawn_host(&[
+    let (host, pids, _) = spawn_host(&[
         "-n",
         "4",
         "--component",
@@ -81,11 +95,34 @@ fn ranks_die_with_the_host_by_end_of_file_alone() {
     });
     let path = dir.path().join("cfg.json");
     std::fs::write(&path, cfg.to_string()).unwrap();
-    let (host, pids) = spawn_host(&["--config", path.to_str().unwrap()]);
+    let (host, pids, _) = spawn_host(&["--config", path.to_str().unwrap()]);
     assert_eq!(pids.len(), 1);
     let took = kill_host_and_time(host, &pids);
     eprintln!(
         "rank gone {:.1} ms after SIGKILL of the host (EOF only)",
+        took.as_secs_f64() * 1e3
+    );
+}
+
+#[test]
+fn rank_inside_a_task_dies_with_the_host_by_end_of_file_alone() {
+    // The rank's main thread is inside a 120 s task, so only its service threads can see
+    // the connections close; they log to a stderr whose reader (the host) is dead.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = serde_json::json!({
+        "executor_id": "e",
+        "num_of_processes": 1,
+        "components": [{"id": "e", "path": "Sleep", "args": {"secs": 120}}],
+        "worker": {"program": worker_bin()},
+        "launcher": {"command": {"argv": ["env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
+    });
+    let path = dir.path().join("cfg.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let (host, pids, logs) = spawn_host(&["--config", path.to_str().unwrap()]);
+    wait_in_task(&logs);
+    let took = kill_host_and_time(host, &pids);
+    eprintln!(
+        "rank inside a task gone {:.1} ms after SIGKILL of the host (EOF only)",
         took.as_secs_f64() * 1e3
     );
 }

@@ -207,6 +207,11 @@ struct TaskOp {
     aborting: Option<(String, Instant, bool)>,
     _sub: Subscription,
     span: tracing::Span,
+    /// The frames sent to the ranks, kept (with their memory files) until the task ends:
+    /// while the parent holds a blob's memory file, a rank unmapping it never frees its
+    /// pages, so that cost is not on the ranks' way to replying. Released off the
+    /// dispatcher thread when the task ends.
+    _sent: crate::reclaim::Deferred<[Option<Arc<OutFrame>>; 2]>,
 }
 
 struct EventOp {
@@ -1327,6 +1332,7 @@ impl Dispatcher {
             _sub: sub,
             span,
             cmd: c,
+            _sent: crate::reclaim::Deferred::new(frames),
         });
     }
 

@@ -21,6 +21,7 @@ pub mod gpu;
 pub mod group;
 pub mod killswitch;
 pub mod os;
+mod reclaim;
 pub mod result;
 mod session;
 pub mod units;

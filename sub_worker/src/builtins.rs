@@ -227,6 +227,7 @@ impl Executor for Sleep {
             .and_then(Value::as_f64)
             .unwrap_or(self.0.secs);
         let dur = Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(Duration::MAX);
+        tracing::info!(secs, "sleeping");
         if self.0.ignore_abort {
             std::thread::sleep(dur);
         } else if abort.wait_timeout(dur) {

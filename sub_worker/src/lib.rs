@@ -44,5 +44,6 @@ pub mod rank;
 pub use cli::{main, main_with_args};
 pub use engine::RankEngine;
 pub use rank::{
-    EXIT_OK, EXIT_PARENT_GONE, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE, RankInfo, rank_info, run,
+    EXIT_INTERNAL, EXIT_OK, EXIT_PARENT_GONE, EXIT_PROTOCOL, EXIT_STARTUP, EXIT_USAGE, RankInfo,
+    rank_info, run,
 };

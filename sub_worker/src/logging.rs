@@ -17,6 +17,10 @@ pub(crate) fn init() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(false)
+        // A closed stderr (the parent that read it is gone) must not turn every log call
+        // into a panic: tracing-subscriber reports write errors with `eprintln!`, which
+        // panics when stderr itself is the broken writer.
+        .log_internal_errors(false)
         .with_target(false)
         .try_init();
 }

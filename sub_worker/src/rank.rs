@@ -57,6 +57,8 @@ pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_PARENT_GONE: u8 = 3;
 /// Exit code: the parent broke the protocol.
 pub const EXIT_PROTOCOL: u8 = 4;
+/// Exit code: one of the rank's own service threads panicked.
+pub const EXIT_INTERNAL: u8 = 5;
 
 /// Who this rank is and where it logs, available to components from construction on.
 #[derive(Debug, Clone)]
@@ -418,11 +420,20 @@ impl Settings {
     }
 }
 
+/// Starts a service thread (handle, event relay, heartbeat). A rank cannot work without
+/// them, so one that panics ends the process: the parent then sees the rank exit instead
+/// of a rank that no longer answers or notices its parent's death.
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) {
     let span = tracing::Span::current();
+    let thread = name.to_owned();
     if let Err(e) = std::thread::Builder::new()
         .name(name.to_owned())
-        .spawn(move || span.in_scope(f))
+        .spawn(move || {
+            if catch_unwind(AssertUnwindSafe(|| span.in_scope(f))).is_err() {
+                error!(thread, "service thread panicked; exiting");
+                std::process::exit(EXIT_INTERNAL.into());
+            }
+        })
     {
         error!(thread = name, error = %e, "cannot start thread");
         std::process::exit(EXIT_STARTUP.into());
@@ -490,20 +501,32 @@ fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
     let _enter = span.enter();
     let mut ctx = rank.rank_ctx(job.props);
     let started = std::time::Instant::now();
+    // The input's (and output's) mappings are released only after the result is sent:
+    // unmapping a large blob is not worth making the parent wait for.
+    let input_blobs: Vec<rankexec_protocol::Blob> = job.input.blobs().values().cloned().collect();
     let res = catch_unwind(AssertUnwindSafe(|| {
         executor.execute(&job.task, job.input, &mut ctx, &job.signal)
     }));
-    let outcome = match res {
+    let (outcome, output) = match res {
         // Rank 0 always returns its output; the others only when the executor gathers.
-        Ok(Ok(out)) => pack_output(rank, job.want_output || rank.env.rank == 0, &ctx, &out),
-        Ok(Err(e)) => Err(RankError {
-            class: e.class(),
-            message: e.chain_text(),
-        }),
-        Err(p) => Err(RankError {
-            class: ErrorClass::Panic,
-            message: panic_text(&p),
-        }),
+        Ok(Ok(out)) => (
+            pack_output(rank, job.want_output || rank.env.rank == 0, &ctx, &out),
+            Some(out),
+        ),
+        Ok(Err(e)) => (
+            Err(RankError {
+                class: e.class(),
+                message: e.chain_text(),
+            }),
+            None,
+        ),
+        Err(p) => (
+            Err(RankError {
+                class: ErrorClass::Panic,
+                message: panic_text(&p),
+            }),
+            None,
+        ),
     };
     *rank.current.lock().unwrap_or_else(PoisonError::into_inner) = None;
     match &outcome {
@@ -514,6 +537,7 @@ fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
         Err(e) => warn!(class = %e.class, "task failed: {}", e.message),
     }
     send_result(rank, job.task_id, outcome);
+    drop((input_blobs, output));
 }
 
 type Packed = (
