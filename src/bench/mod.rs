@@ -95,15 +95,9 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<Vec<Figure>> {
     if !(want("fanout") || want("memcpy")) {
         sizes.clear();
     }
-    if let Some(largest) = sizes.last() {
-        // Fresh memory in a VM may be backed by the host only when first touched, which
-        // costs far more than a page fault; touch enough once so that every later
-        // allocation measures the guest's own cost, the same for memcpy and fan-out.
-        cases::warm_memory(largest * 3);
-    }
     for size in sizes {
         let data = cases::payload(size);
-        let fan_reps = if size >= 256 << 20 { 3 } else { 5 };
+        let fan_reps = 5;
         let copy = cases::memcpy(&data, fan_reps);
         let yardstick = copy.value;
         emit(copy);

@@ -18,6 +18,10 @@
 //!   `SIGKILL`ed parent closes its sockets) and the rank exits at once with
 //!   [`EXIT_PARENT_GONE`], even in the middle of a task. This is the one parent-death
 //!   check that also works under external launchers.
+//! - The service threads (handle, event, heartbeat) are what notice a dead parent while
+//!   a task runs. They log to stderr, whose reader may be that dead parent, so logging
+//!   ignores write errors; a service thread that panics ends the process with
+//!   [`EXIT_INTERNAL`] rather than leave a rank nobody listens for.
 //! - A task that ignores its abort signal keeps its thread busy; the parent escalates
 //!   to signals after its grace period.
 //! - `SIGTERM` keeps its default action (terminate at once). Put cleanup in an
