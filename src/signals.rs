@@ -17,20 +17,34 @@ use rankexec_protocol::Signal;
 pub struct SignalSetupError(#[from] ctrlc::Error);
 
 /// Installs the handler; `abort` is triggered on the first signal.
+///
+/// The abort runs on a thread of its own (its callbacks wait for ranks to acknowledge),
+/// so the handler is free for a second signal at once. Messages go to stderr and are
+/// dropped if it is closed.
 pub fn install(abort: Signal) -> Result<(), SignalSetupError> {
     static COUNT: AtomicU32 = AtomicU32::new(0);
     ctrlc::set_handler(move || match COUNT.fetch_add(1, Ordering::SeqCst) {
         0 => {
-            eprintln!(
-                "\ninterrupted: aborting the job (press Ctrl-C again to kill every rank now)"
-            );
-            abort.trigger("interrupted (Ctrl-C or SIGTERM)");
+            say("\ninterrupted: aborting the job (press Ctrl-C again to kill every rank now)");
+            let abort = abort.clone();
+            let spawned = std::thread::Builder::new()
+                .name("rx-interrupt".into())
+                .spawn(move || abort.trigger("interrupted (Ctrl-C or SIGTERM)"));
+            if spawned.is_err() {
+                say("cannot start the abort; press Ctrl-C again to kill every rank");
+            }
         }
         _ => {
             let n = rankexec_executor::killswitch::kill_all();
-            eprintln!("\ninterrupted again: killed {n} rank groups");
+            say(&format!("\ninterrupted again: killed {n} rank groups"));
             std::process::exit(130);
         }
     })?;
     Ok(())
+}
+
+/// One line to stderr; a closed stderr is not an error here.
+fn say(text: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{text}");
 }

@@ -88,3 +88,95 @@ fn events_travel_both_ways_with_context_merge() {
     }
     exec.handle_event(&EventType::END_RUN, &mut ctx).unwrap();
 }
+
+/// A host whose handlers are slow (longer than the heartbeat timeout) or panic.
+struct TroubledEngine {
+    workspace: std::path::PathBuf,
+}
+
+impl rankexec::protocol::Engine for TroubledEngine {
+    fn fire_event(
+        &self,
+        event: &EventType,
+        _: &mut FlContext,
+    ) -> Result<(), rankexec::protocol::FireEventError> {
+        match event.to_string().as_str() {
+            "slow" => std::thread::sleep(std::time::Duration::from_millis(1500)),
+            "boom" => panic!("host handler exploded"),
+            _ => {}
+        }
+        Ok(())
+    }
+    fn identity(&self) -> &str {
+        "site-test"
+    }
+    fn job_id(&self) -> &str {
+        "job-test"
+    }
+    fn workspace(&self) -> &std::path::Path {
+        &self.workspace
+    }
+}
+
+#[test]
+fn slow_or_panicking_host_handlers_do_not_break_the_group() {
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = config(
+        2,
+        "FireEvent",
+        serde_json::json!({"event": "slow", "count": 1}),
+        logs.path(),
+    );
+    // Heartbeats every 100 ms, silence for 600 ms is death: a handler taking 1.5 s on
+    // the reader that also reads heartbeats would have the ranks declared unresponsive.
+    cfg.deadlines.heartbeat_interval =
+        rankexec::executor::Dur(std::time::Duration::from_millis(100));
+    cfg.deadlines.heartbeat_timeout =
+        rankexec::executor::Dur(std::time::Duration::from_millis(600));
+    let exec = MultiProcessExecutor::new(cfg).unwrap();
+    let engine = std::sync::Arc::new(TroubledEngine {
+        workspace: logs.path().to_owned(),
+    });
+    let mut ctx = FlContext::with_engine(engine.clone());
+    exec.handle_event(&EventType::START_RUN, &mut ctx).unwrap();
+    let pids = exec.live_pids();
+    let out = exec
+        .run_task("train", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap();
+    assert_eq!(out.meta("fired"), Some(&Value::Int(1)));
+    assert_eq!(exec.live_pids(), pids, "no rank was declared dead");
+
+    exec.handle_event(&EventType::END_RUN, &mut ctx).unwrap();
+    assert_gone(&pids, "after END_RUN");
+
+    // A panicking host handler is the firing rank's error, not a dead reader thread.
+    let cfg = config(
+        1,
+        "FireEvent",
+        serde_json::json!({"event": "boom", "count": 1}),
+        logs.path(),
+    );
+    let exec = MultiProcessExecutor::new(cfg).unwrap();
+    let mut ctx = FlContext::with_engine(engine.clone());
+    exec.handle_event(&EventType::START_RUN, &mut ctx).unwrap();
+    let pids = exec.live_pids();
+    let err = exec
+        .run_task("train", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap_err();
+    let text = chain(&err);
+    assert!(
+        text.starts_with("rank 0 failed: exception: event relay failed"),
+        "{text}"
+    );
+    assert!(
+        text.contains("a host handler of `boom` panicked: host handler exploded"),
+        "{text}"
+    );
+    assert_eq!(
+        exec.live_pids(),
+        pids,
+        "the group survives a host handler's panic"
+    );
+    exec.handle_event(&EventType::END_RUN, &mut ctx).unwrap();
+    assert_gone(&pids, "after END_RUN");
+}

@@ -481,6 +481,28 @@ impl ExecutorConfig {
             ));
         }
         let d = &self.deadlines;
+        // Set in code, a `Dur` can exceed what parsing allows; deadlines are added to the
+        // current time, so bound them all.
+        for (name, v) in [
+            ("deadlines.startup", d.startup),
+            ("deadlines.task", d.task),
+            ("deadlines.event", d.event),
+            ("deadlines.heartbeat_interval", d.heartbeat_interval),
+            ("deadlines.heartbeat_timeout", d.heartbeat_timeout),
+            ("deadlines.abort_grace", d.abort_grace),
+            ("deadlines.shutdown_grace", d.shutdown_grace),
+            ("deadlines.term_grace", d.term_grace),
+            ("deadlines.admission", d.admission),
+            ("restart.backoff", self.restart.backoff),
+            ("restart.max_backoff", self.restart.max_backoff),
+        ] {
+            if v > Dur::MAX {
+                return Err(ConfigError::new(
+                    name,
+                    format!("{v} is longer than the 366 days allowed"),
+                ));
+            }
+        }
         for (name, v) in [
             ("startup", d.startup),
             ("task", d.task),
@@ -669,6 +691,19 @@ mod tests {
             "deadlines.heartbeat_timeout"
         );
         assert!(base().validate().is_ok());
+        // Deadlines are added to the current time: a huge one is refused, not a panic.
+        let mut c = base();
+        c.deadlines.task = Dur(Duration::from_secs(u64::MAX));
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.path, "deadlines.task");
+        let e = serde_json::from_value::<ExecutorConfig>(serde_json::json!({
+            "executor_id": "e", "components": [], "deadlines": {"task": 1e12}
+        }))
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("longer than the 366 days allowed"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -232,7 +232,8 @@ pub(crate) struct Dispatcher {
     cmd_rx: Receiver<Command>,
     ev_tx: Sender<(u64, Report)>,
     ev_rx: Receiver<(u64, Report)>,
-    engine: Option<Arc<dyn Engine>>,
+    /// Weak: the host's engine usually owns this executor (see `session::link`).
+    engine: Option<std::sync::Weak<dyn Engine>>,
     start_props: Props,
     base_log_dir: Option<PathBuf>,
     generation: u64,
@@ -327,7 +328,9 @@ impl Dispatcher {
             self.on_timers(Instant::now());
             self.drain_queue();
         }
-        // The executor was dropped without finalize: tear down, bounded.
+        // The executor was dropped without finalize: tear down, bounded, and launch
+        // nothing more.
+        self.finalized = true;
         if self.group.is_some() {
             self.begin_stop("executor dropped", Vec::new());
             while self.group.is_some() {
@@ -544,8 +547,8 @@ impl Dispatcher {
     ) {
         self.finalized = false;
         self.start_props = props;
-        if engine.is_some() {
-            self.engine = engine;
+        if let Some(engine) = engine {
+            self.engine = Some(Arc::downgrade(&engine));
         }
         if self.group.is_some() {
             let _ = reply.send(Ok(()));
@@ -641,6 +644,16 @@ impl Dispatcher {
     }
 
     fn check_pending_launch(&mut self, now: Instant) {
+        if self.finalized {
+            // A relaunch decided before finalize (an out-of-memory retry whose teardown
+            // finished after it) must not bring a group back.
+            if let Some(p) = self.pending.take() {
+                for w in p.waiters {
+                    w.fail(&StartError::Finalized);
+                }
+            }
+            return;
+        }
         let Some(p) = &mut self.pending else { return };
         if now < p.not_before {
             return;
@@ -688,7 +701,7 @@ impl Dispatcher {
         if let Some(d) = &self.base_log_dir {
             return d.clone();
         }
-        if let Some(e) = &self.engine {
+        if let Some(e) = self.engine.as_ref().and_then(std::sync::Weak::upgrade) {
             return e.workspace().join(&self.cfg.executor_id);
         }
         std::env::temp_dir().join("rankexec-logs").join(format!(
@@ -1007,7 +1020,10 @@ impl Dispatcher {
         link.pid = c.hello.pid;
         link.pgid = c.hello.pgid;
         if let Err(e) = link.attach(c.channel, c.conn, &ctx) {
-            warn!(rank, error = %e, "cannot start connection threads");
+            self.fail_start(StartError::Threads {
+                rank,
+                source: Arc::new(e),
+            });
             return;
         }
         if g.external && !g.table.has_rank(rank) {
@@ -1057,7 +1073,7 @@ impl Dispatcher {
         let frame = match envelope::plain(&Message::Init(Box::new(init))) {
             Ok(f) => Arc::new(f),
             Err(e) => {
-                warn!("cannot encode Init: {}", chain(&e));
+                self.fail_start(StartError::Encode(Arc::new(e)));
                 return;
             }
         };
@@ -1582,8 +1598,10 @@ impl Dispatcher {
         }) {
             Ok(f) => Arc::new(f),
             Err(e) => {
-                warn!("cannot encode an event: {}", chain(&e));
-                let _ = c.reply.send(Ok(c.props));
+                let _ = c.reply.send(Err(EventError::Encode {
+                    event: c.event.to_string(),
+                    source: Arc::new(e),
+                }));
                 return;
             }
         };

@@ -191,6 +191,18 @@ pub enum StartError {
         #[source]
         error: RemoteError,
     },
+    /// A connection's reader or writer thread could not be started.
+    #[error("cannot start the connection threads of rank {rank}")]
+    Threads {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// The `Init` message (component configurations and context) could not be encoded.
+    #[error("cannot encode the start-up message for the ranks")]
+    Encode(#[source] Arc<rankexec_protocol::wire::codec::CodecError>),
     /// The external launcher exited before every rank was ready.
     #[error("the launcher exited with {status} before every rank was ready")]
     LauncherExited {
@@ -388,6 +400,15 @@ pub enum EventError {
         /// The failure.
         #[source]
         failure: Box<RankFailure>,
+    },
+    /// The event (its context) could not be encoded.
+    #[error("cannot encode event `{event}` for the ranks")]
+    Encode {
+        /// The event.
+        event: String,
+        /// Why.
+        #[source]
+        source: Arc<rankexec_protocol::wire::codec::CodecError>,
     },
     /// The group could not start (START_RUN).
     #[error("cannot start the rank group")]

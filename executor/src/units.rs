@@ -120,15 +120,35 @@ impl Serialize for ByteSize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct Dur(pub Duration);
 
-/// A duration string that does not parse.
+impl Dur {
+    /// The longest duration a configuration accepts: 366 days. Deadlines are added to the
+    /// current time, and a longer one means "never" in practice anyway.
+    pub const MAX: Dur = Dur(Duration::from_secs(366 * 24 * 3600));
+
+    fn checked(self, text: impl Into<String>) -> Result<Dur, DurError> {
+        if self > Dur::MAX {
+            Err(DurError::TooLong(text.into()))
+        } else {
+            Ok(self)
+        }
+    }
+}
+
+/// A duration that does not parse, or is too long.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid duration `{0}`: expected seconds or a number with a unit (ms, s, m, h)")]
-pub struct DurError(String);
+pub enum DurError {
+    /// Not a duration.
+    #[error("invalid duration `{0}`: expected seconds or a number with a unit (ms, s, m, h)")]
+    Invalid(String),
+    /// Longer than [`Dur::MAX`].
+    #[error("duration `{0}` is longer than the 366 days allowed")]
+    TooLong(String),
+}
 
 impl FromStr for Dur {
     type Err = DurError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || DurError(s.to_owned());
+        let err = || DurError::Invalid(s.to_owned());
         let (num, unit) = split_number(s.trim());
         let value: f64 = num.parse().map_err(|_| err())?;
         let secs = match unit.to_ascii_lowercase().as_str() {
@@ -139,8 +159,8 @@ impl FromStr for Dur {
             _ => return Err(err()),
         };
         Duration::try_from_secs_f64(secs)
-            .map(Dur)
             .map_err(|_| err())
+            .and_then(|d| Dur(d).checked(s))
     }
 }
 
@@ -160,8 +180,9 @@ impl<'de> Deserialize<'de> for Dur {
         }
         match Raw::deserialize(d)? {
             Raw::N(n) => Duration::try_from_secs_f64(n)
-                .map(Dur)
-                .map_err(|_| serde::de::Error::custom(DurError(n.to_string()))),
+                .map_err(|_| DurError::Invalid(n.to_string()))
+                .and_then(|d| Dur(d).checked(n.to_string()))
+                .map_err(serde::de::Error::custom),
             Raw::S(s) => s.parse().map_err(serde::de::Error::custom),
         }
     }
@@ -214,6 +235,13 @@ mod tests {
         assert_eq!("1.5".parse::<Dur>().unwrap().0, Duration::from_millis(1500));
         assert_eq!("1h".parse::<Dur>().unwrap().0, Duration::from_secs(3600));
         assert!("soon".parse::<Dur>().is_err());
+        assert_eq!("366d".parse::<Dur>(), Err(DurError::Invalid("366d".into())));
+        assert_eq!(
+            "8785h".parse::<Dur>(),
+            Err(DurError::TooLong("8785h".into())),
+            "366 days is 8784 h"
+        );
+        assert_eq!("8784h".parse::<Dur>(), Ok(Dur::MAX));
         let d: Dur = serde_json::from_str("0.25").unwrap();
         assert_eq!(d.0, Duration::from_millis(250));
     }

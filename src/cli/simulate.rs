@@ -91,7 +91,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         "val_loss".to_owned(),
         "accuracy".to_owned(),
     ];
-    let progress = Progress::new(!a.no_progress, keys.clone());
+    let progress = std::sync::Arc::new(Progress::new(!a.no_progress, keys.clone()));
     let level = if a.verbose {
         LevelFilter::INFO
     } else {

@@ -65,8 +65,10 @@ impl GroupGate {
             .waiting
     }
 
-    /// Wakes every waiter (they re-check the abort signal).
+    /// Wakes every waiter (they re-check the abort signal). The lock is taken first so a
+    /// waiter between its check and its wait cannot miss the wake-up.
     pub fn wake_all(&self) {
+        let _st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         self.cv.notify_all();
     }
 
@@ -76,7 +78,7 @@ impl GroupGate {
             return Some(Slot { gate: None });
         }
         let me = self.clone();
-        let _wake = abort.on_trigger(move || me.cv.notify_all());
+        let _wake = abort.on_trigger(move || me.wake_all());
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         st.waiting += 1;
         while st.free == 0 && !abort.is_triggered() {
@@ -84,6 +86,10 @@ impl GroupGate {
         }
         st.waiting -= 1;
         if abort.is_triggered() {
+            // A place freed for us goes to the next waiter instead.
+            if st.free > 0 {
+                self.cv.notify_one();
+            }
             return None;
         }
         st.free -= 1;

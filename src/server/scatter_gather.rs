@@ -25,13 +25,14 @@ use serde::Serialize;
 use tracing::{info, warn};
 
 use super::persistor::ModelPersistor;
+use crate::job::model::ScatterAndGatherArgs;
 
 /// A global-model blob at least this large is built in sealed shared memory.
 const SHARED_FROM: usize = 64 << 10;
-use crate::job::model::ScatterAndGatherArgs;
 
 /// How long a client may take to return after its task was aborted, before the
-/// controller stops waiting for it (its executor is bounded well below this).
+/// controller stops waiting for it and leaves it behind (a multi-process executor is
+/// bounded well below this; an in-process executor that ignores its abort is not).
 const ABORT_WAIT: Duration = Duration::from_secs(120);
 
 /// How a client's task ended.
@@ -82,8 +83,8 @@ pub enum ClientState {
     Done,
 }
 
-/// Receives progress.
-pub trait Observer: Sync {
+/// Receives progress (from the controller's thread and every client's).
+pub trait Observer: Send + Sync {
     /// A phase started (`round N` or `validate`) with this many clients.
     fn phase_started(&self, _phase: &str, _round: u32, _rounds: u32, _clients: usize) {}
     /// A client changed state.
@@ -139,6 +140,7 @@ pub struct ScatterAndGather {
     args: ScatterAndGatherArgs,
     persistor: Option<ModelPersistor>,
     job: String,
+    abort_wait: Duration,
 }
 
 struct Scattered {
@@ -182,6 +184,7 @@ impl ScatterAndGather {
             args,
             persistor,
             job: job.to_owned(),
+            abort_wait: ABORT_WAIT,
         }
     }
 
@@ -193,7 +196,7 @@ impl ScatterAndGather {
         round: u32,
         clients: &[Arc<dyn FedClient>],
         job_abort: &Signal,
-        obs: &dyn Observer,
+        obs: &Arc<dyn Observer>,
     ) -> Scattered {
         let timeout = self.args.train_timeout.0;
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -209,16 +212,31 @@ impl ScatterAndGather {
             .collect();
         let mut statuses = BTreeMap::new();
         let mut ok = Vec::new();
-        std::thread::scope(|scope| {
+        // Detached threads, not scoped ones: a client that never returns (an in-process
+        // executor ignoring its abort) is left behind after `abort_wait` instead of
+        // holding the job forever. Its late result goes to a closed channel.
+        {
             for (i, c) in clients.iter().enumerate() {
                 let (tx, abort, input) = (tx.clone(), aborts[i].clone(), input.clone());
-                let task = task.to_owned();
-                scope.spawn(move || {
-                    let started = Instant::now();
-                    let r = c.run(&task, input, round, &abort, obs);
-                    obs.client_state(c.name(), ClientState::Done);
-                    let _ = tx.send((i, r, started.elapsed()));
-                });
+                let (c, obs, task) = (c.clone(), obs.clone(), task.to_owned());
+                let spawned = std::thread::Builder::new()
+                    .name(format!("rx-client-{i}"))
+                    .spawn({
+                        let tx = tx.clone();
+                        move || {
+                            let started = Instant::now();
+                            let r = c.run(&task, input, round, &abort, obs.as_ref());
+                            obs.client_state(c.name(), ClientState::Done);
+                            let _ = tx.send((i, r, started.elapsed()));
+                        }
+                    });
+                if let Err(e) = spawned {
+                    let r = Err((
+                        ErrorClass::Exception,
+                        format!("cannot start the client's thread: {e}"),
+                    ));
+                    let _ = tx.send((i, r, Duration::ZERO));
+                }
             }
             drop(tx);
             let deadline = Instant::now() + timeout;
@@ -271,10 +289,11 @@ impl ScatterAndGather {
                                     .trigger(format!("task `{task}` timed out after {timeout:?}"));
                             }
                         }
-                        hard_deadline = Some(Instant::now() + ABORT_WAIT);
+                        hard_deadline = Some(Instant::now() + self.abort_wait);
                     }
                     Err(_) => {
-                        // Clients that ignore even their executor's bounds are left behind.
+                        // Clients that ignore even their executor's bounds are left behind
+                        // (their threads are detached).
                         for (i, p) in pending.iter().enumerate() {
                             if *p {
                                 statuses.insert(
@@ -289,7 +308,7 @@ impl ScatterAndGather {
                     }
                 }
             }
-        });
+        }
         ok.sort_by(|a, b| a.0.cmp(&b.0));
         Scattered { ok, statuses }
     }
@@ -342,7 +361,7 @@ impl ScatterAndGather {
         &self,
         clients: &[Arc<dyn FedClient>],
         job_abort: &Signal,
-        obs: &dyn Observer,
+        obs: &Arc<dyn Observer>,
     ) -> Outcome {
         let mut global = Shareable::new();
         let mut rounds = Vec::new();
@@ -462,5 +481,81 @@ impl ScatterAndGather {
             final_metrics,
             model: global,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Quiet;
+    impl Observer for Quiet {}
+
+    /// Returns a one-float model at once.
+    struct Prompt;
+    impl FedClient for Prompt {
+        fn name(&self) -> &str {
+            "site-1"
+        }
+        fn run(
+            &self,
+            _: &str,
+            _: Shareable,
+            _: u32,
+            _: &Signal,
+            _: &dyn Observer,
+        ) -> Result<Shareable, (ErrorClass, String)> {
+            Ok(Shareable::new()
+                .with_blob("w", 1.0f32.to_le_bytes().to_vec())
+                .with_meta("num_samples", 1))
+        }
+    }
+
+    /// Never returns, abort or not (an in-process executor stuck in a loop).
+    struct Stuck(crossbeam_channel::Receiver<()>);
+    impl FedClient for Stuck {
+        fn name(&self) -> &str {
+            "site-2"
+        }
+        fn run(
+            &self,
+            _: &str,
+            _: Shareable,
+            _: u32,
+            _: &Signal,
+            _: &dyn Observer,
+        ) -> Result<Shareable, (ErrorClass, String)> {
+            let _ = self.0.recv();
+            Err((ErrorClass::Exception, "released".to_owned()))
+        }
+    }
+
+    #[test]
+    fn a_client_that_never_returns_is_left_behind() {
+        let args: ScatterAndGatherArgs = serde_json::from_value(serde_json::json!({
+            "num_rounds": 1, "min_clients": 1, "train_timeout": "100ms"
+        }))
+        .unwrap();
+        let mut sg = ScatterAndGather::new(args, None, "job");
+        sg.abort_wait = Duration::from_millis(200);
+        let (release, stuck) = crossbeam_channel::bounded::<()>(0);
+        let clients: Vec<Arc<dyn FedClient>> = vec![Arc::new(Prompt), Arc::new(Stuck(stuck))];
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        std::thread::spawn(move || {
+            let obs: Arc<dyn Observer> = Arc::new(Quiet);
+            let _ = tx.send(sg.run(&clients, &Signal::new(), &obs));
+        });
+        let outcome = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the job ended without the stuck client");
+        assert_eq!(outcome.status, JobStatus::Completed, "{outcome:?}");
+        let round = &outcome.rounds[0];
+        assert_eq!(round.clients["site-1"], TaskStatus::Ok);
+        assert!(
+            matches!(round.clients["site-2"], TaskStatus::TimedOut { .. }),
+            "{round:?}"
+        );
+        // Let the stuck thread end.
+        drop(release);
     }
 }

@@ -139,8 +139,11 @@ pub fn install(
     let all = Arc::new(Mutex::new(LineWriter::new(File::create(
         workspace.join("log.txt"),
     )?)));
+    // Write errors are dropped, never reported with `eprintln!`: that panics (in whatever
+    // thread was logging) when stderr is closed.
     let file_layer = fmt::layer()
         .with_ansi(false)
+        .log_internal_errors(false)
         .with_writer(move || AllWriter(all.clone()))
         .with_filter(LevelFilter::INFO);
     let console_filter = EnvFilter::try_from_env("RANKEXEC_LOG")
@@ -149,6 +152,7 @@ pub fn install(
     let is_tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let console_layer = fmt::layer()
         .with_ansi(is_tty)
+        .log_internal_errors(false)
         .with_target(false)
         .with_writer(move || Console(bars.clone()))
         .with_filter(console_filter);

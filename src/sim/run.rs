@@ -114,7 +114,7 @@ pub fn prepare_workspace(ws: &Path) -> Result<(), SimError> {
 pub fn simulate(
     job: &Job,
     opts: &SimOptions,
-    progress: &Progress,
+    progress: &Arc<Progress>,
     abort: &Signal,
 ) -> Result<Summary, SimError> {
     let started = Instant::now();
@@ -146,7 +146,8 @@ pub fn simulate(
         .iter()
         .map(|c| c.clone() as Arc<dyn FedClient>)
         .collect();
-    let outcome = controller.run(&fed, abort, progress);
+    let observer: Arc<dyn crate::server::Observer> = progress.clone();
+    let outcome = controller.run(&fed, abort, &observer);
 
     // END_RUN everywhere, in parallel: every rank group is torn down.
     std::thread::scope(|s| {

@@ -28,6 +28,9 @@ use crate::os::{self, Waker};
 /// Most handshakes in progress at once.
 pub const MAX_PENDING: usize = 64;
 
+/// How long the acceptor waits after a failed `accept` before trying again.
+const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
 struct Slots {
     accepting: bool,
     seen: Vec<[bool; 3]>,
@@ -169,7 +172,20 @@ fn accept_loop(
 ) {
     let pending = Arc::new(AtomicUsize::new(0));
     let uid = effective_uid();
+    let mut back_off = false;
     loop {
+        if back_off {
+            // `accept` failed (out of descriptors, say) and left the connection queued:
+            // polling the listener again at once would spin. Wait a little, waking at
+            // once if asked to stop.
+            back_off = false;
+            if os::poll_readable(&[waker.fd()], Some(ACCEPT_BACKOFF)).is_ok_and(|r| r[0]) {
+                waker.drain();
+            }
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+        }
         let ready = match os::poll_readable(&[waker.fd(), listener.as_fd()], None) {
             Ok(r) => r,
             Err(e) => {
@@ -191,7 +207,8 @@ fn accept_loop(
                 Ok(Some(c)) => c,
                 Ok(None) => break,
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    tracing::warn!(error = %e, "accept failed; retrying in {ACCEPT_BACKOFF:?}");
+                    back_off = true;
                     break;
                 }
             };

@@ -1,9 +1,11 @@
 //! A rank's three connections: one reader thread each, and one writer thread.
 //!
-//! Readers decode frames and report to the dispatcher; they never block on it. The
-//! event-channel reader answers relayed events itself (it fires them on the parent's
-//! engine and writes the reply), so slow handlers on the host never stall task results
-//! or other ranks.
+//! Readers decode frames and report to the dispatcher; they never block on it. Events a
+//! rank relays go to one relay thread per rank, which fires them on the parent's engine
+//! in order and writes each reply: a slow host handler stalls neither task results nor
+//! other ranks, nor the heartbeats that share the event channel (a handler slower than
+//! `heartbeat_timeout` is not mistaken for a silent rank), and a panicking one becomes
+//! the rank's error. The engine is held weakly (the host's engine owns the executor).
 //!
 //! Frames to the exec and handle channels go out straight from the dispatcher with a
 //! non-blocking write when the rank's writer thread is idle (no thread hop for the
@@ -13,8 +15,8 @@
 //! writer; teardown shuts its sockets down.
 
 use rankexec_protocol::error_chain as chain;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
@@ -50,7 +52,9 @@ pub(crate) enum LinkEvent {
 pub(crate) struct LinkContext {
     pub(crate) rank: u32,
     pub(crate) reporter: Reporter,
-    pub(crate) engine: Option<Arc<dyn Engine>>,
+    /// Held weakly: the host's engine usually owns this executor, and a strong reference
+    /// here would keep both alive forever.
+    pub(crate) engine: Option<Weak<dyn Engine>>,
     /// Whether this rank's events are fired on the engine (see `relay_events_from`).
     pub(crate) relay: bool,
     pub(crate) last_seen: Arc<AtomicU64>,
@@ -187,7 +191,13 @@ fn write_loop(rx: &Receiver<Outgoing>, queued: &AtomicUsize, ctx: &LinkContext) 
     }
 }
 
-fn read_loop(conn: &Conn, channel: Channel, ctx: &LinkContext) {
+/// A relayed event waiting for the host's handlers.
+type RelayRequest = (u64, rankexec_protocol::EventType, Props);
+
+fn read_loop(conn: &Arc<Conn>, channel: Channel, ctx: &LinkContext) {
+    // Relayed events run on their own thread, so a slow host handler never stops this
+    // reader from seeing the heartbeats that share the channel.
+    let mut relayer: Option<Sender<RelayRequest>> = None;
     loop {
         let frame = match read_frame(conn, &ctx.limits) {
             Ok(f) => f,
@@ -265,13 +275,19 @@ fn read_loop(conn: &Conn, channel: Channel, ctx: &LinkContext) {
                         event,
                         props,
                     } => {
-                        let result = relay(ctx, &event, props);
-                        let reply = Message::EventReply { request_id, result };
-                        let sent = envelope::plain(&reply)
-                            .map_err(|e| chain(&e))
-                            .and_then(|f| f.write_to(conn).map_err(|e| chain(&e)));
-                        if let Err(e) = sent {
-                            tracing::debug!("cannot answer a relayed event: {e}");
+                        if relayer.is_none() {
+                            match start_relayer(conn, ctx) {
+                                Ok(tx) => relayer = Some(tx),
+                                Err(e) => {
+                                    return ctx.report(LinkEvent::Protocol {
+                                        channel,
+                                        what: format!("cannot start the event relay: {e}"),
+                                    });
+                                }
+                            }
+                        }
+                        if let Some(tx) = &relayer {
+                            let _ = tx.send((request_id, event, props));
                         }
                         continue;
                     }
@@ -281,6 +297,47 @@ fn read_loop(conn: &Conn, channel: Channel, ctx: &LinkContext) {
         };
         ctx.report(event);
     }
+}
+
+/// Starts the thread that fires a rank's relayed events on the host's engine, in order,
+/// and writes each reply. It ends when the reader drops its sender.
+fn start_relayer(conn: &Arc<Conn>, ctx: &LinkContext) -> std::io::Result<Sender<RelayRequest>> {
+    let (tx, rx) = unbounded::<RelayRequest>();
+    let (conn, ctx) = (conn.clone(), ctx.clone());
+    let span = tracing::info_span!("rank", rank = ctx.rank, channel = "event");
+    std::thread::Builder::new()
+        .name(format!("rx-relay-{}", ctx.rank))
+        .spawn(move || {
+            span.in_scope(|| {
+                for (request_id, event, props) in rx {
+                    // A panicking host handler is the rank's error, not this thread's end.
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        relay(&ctx, &event, props)
+                    }))
+                    .unwrap_or_else(|p| {
+                        Err(format!(
+                            "a host handler of `{event}` panicked: {}",
+                            panic_message(p.as_ref())
+                        ))
+                    });
+                    let reply = Message::EventReply { request_id, result };
+                    let sent = envelope::plain(&reply)
+                        .map_err(|e| chain(&e))
+                        .and_then(|f| f.write_to(&conn).map_err(|e| chain(&e)));
+                    if let Err(e) = sent {
+                        tracing::debug!("cannot answer a relayed event: {e}");
+                    }
+                }
+            })
+        })?;
+    Ok(tx)
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".to_owned())
 }
 
 /// Fires a rank's event on the parent's engine, in a fresh context tagged with the rank,
@@ -293,8 +350,8 @@ fn relay(
     if !ctx.relay {
         return Ok(props);
     }
-    let Some(engine) = &ctx.engine else {
-        return Err("the executor has no engine to fire events into".to_owned());
+    let Some(engine) = ctx.engine.as_ref().and_then(Weak::upgrade) else {
+        return Err("the executor has no engine to fire events into (none was given at START_RUN, or the host dropped it)".to_owned());
     };
     let mut fl = FlContext::with_engine(engine.clone());
     let _ = fl.merge_from(props);

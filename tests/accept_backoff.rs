@@ -1,0 +1,87 @@
+//! The parent runs out of file descriptors while a connection waits: `accept` fails and
+//! leaves it queued. The acceptor pauses before retrying (no busy loop, no log flood)
+//! and serves the connection once descriptors are free again.
+//!
+//! This binary has one test: it lowers its own descriptor limit.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use rankexec::executor::MultiProcessExecutor;
+use rankexec::protocol::{Shareable, Signal, Value};
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+
+#[test]
+fn failed_accepts_back_off_and_recover() {
+    let log = LogCapture::install();
+    let logs = tempfile::tempdir().unwrap();
+    let exec =
+        MultiProcessExecutor::new(config(1, "Env", serde_json::json!({}), logs.path())).unwrap();
+    let mut ctx = start(&exec);
+    let out = exec
+        .run_task("env", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap();
+    let endpoint = out
+        .meta("env:RANKEXEC_ENDPOINT")
+        .and_then(Value::as_str)
+        .unwrap()
+        .to_owned();
+    let addr = SocketAddrUnix::new(socket_path(&endpoint)).unwrap();
+    // The client's descriptor exists before the limit drops; connecting needs no new one.
+    let client = rustix::net::socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+
+    // The limit caps descriptor numbers: set it to the lowest free one, so no new
+    // descriptor can be made at all.
+    let saved = getrlimit(Resource::Nofile);
+    let lowest_free = {
+        use std::os::fd::AsRawFd;
+        std::fs::File::open("/dev/null").unwrap().as_raw_fd() as u64
+    };
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(lowest_free),
+            maximum: saved.maximum,
+        },
+    )
+    .unwrap();
+    rustix::net::connect(&client, &addr).unwrap();
+    // About a second of failing accepts.
+    std::thread::sleep(Duration::from_secs(1));
+    let failures = log.text().matches("accept failed").count();
+    setrlimit(Resource::Nofile, saved).unwrap();
+
+    assert!(
+        failures >= 1,
+        "accept never failed: the test did not provoke EMFILE"
+    );
+    assert!(
+        failures <= 30,
+        "{failures} failed accepts in about a second: the acceptor is spinning"
+    );
+    // With descriptors back, the queued connection is accepted and challenged.
+    assert!(
+        wait_readable(&client, Duration::from_secs(10)),
+        "the queued connection was never served"
+    );
+    // The group itself was never disturbed.
+    exec.run_task("env", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap();
+    let pids = exec.live_pids();
+    exec.finalize().unwrap();
+    assert_gone(&pids, "after finalize");
+}
+
+/// Whether the parent wrote to the client socket (its handshake challenge) in time.
+fn wait_readable(fd: &rustix::fd::OwnedFd, within: Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let mut fds = [PollFd::new(fd, PollFlags::IN)];
+    let ts = Timespec {
+        tv_sec: within.as_secs() as i64,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&ts)).is_ok_and(|n| n > 0)
+}
