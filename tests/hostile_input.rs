@@ -139,13 +139,15 @@ fn every_hostile_input_is_refused_and_ranks_keep_working() {
     read_challenge(&c);
     let hello = Handshake::Hello(Hello {
         version: 99,
-        channel: Channel::Exec,
-        rank: 0,
-        world_size: 2,
-        launch_id: launch_id.clone(),
-        pid: 1,
-        pgid: 1,
-        host: "h".into(),
+        who: Identity {
+            channel: Channel::Exec,
+            rank: 0,
+            world_size: 2,
+            launch_id: launch_id.clone(),
+            pid: 1,
+            pgid: 1,
+            host: "h".into(),
+        },
         nonce: [0; 32],
         mac: [0; 32],
     });

@@ -63,6 +63,22 @@ fn kill_host_and_time(mut host: std::process::Child, pids: &[u32]) -> Duration {
     }
 }
 
+/// One `Sleep` rank started by a command launcher (`env`): the rank is not our child and
+/// is told no parent pid, so no `PR_SET_PDEATHSIG`; only its connections closing can
+/// tell it the host is gone.
+fn eof_only_config(dir: &Path) -> PathBuf {
+    let cfg = serde_json::json!({
+        "executor_id": "e",
+        "num_of_processes": 1,
+        "components": [{"id": "e", "path": "Sleep", "args": {"secs": 120}}],
+        "worker": {"program": worker_bin()},
+        "launcher": {"command": {"argv": ["env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
+    });
+    let path = dir.join("cfg.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path
+}
+
 #[test]
 fn ranks_die_with_the_host_builtin_launcher() {
     let (host, pids, _) = spawn_host(&[
@@ -83,18 +99,8 @@ fn ranks_die_with_the_host_builtin_launcher() {
 
 #[test]
 fn ranks_die_with_the_host_by_end_of_file_alone() {
-    // An external launcher: the rank is not told a parent pid, so no PR_SET_PDEATHSIG;
-    // only its connections closing can tell it.
     let dir = tempfile::tempdir().unwrap();
-    let cfg = serde_json::json!({
-        "executor_id": "e",
-        "num_of_processes": 1,
-        "components": [{"id": "e", "path": "Sleep", "args": {"secs": 120}}],
-        "worker": {"program": worker_bin()},
-        "launcher": {"command": {"argv": ["env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
-    });
-    let path = dir.path().join("cfg.json");
-    std::fs::write(&path, cfg.to_string()).unwrap();
+    let path = eof_only_config(dir.path());
     let (host, pids, _) = spawn_host(&["--config", path.to_str().unwrap()]);
     assert_eq!(pids.len(), 1);
     let took = kill_host_and_time(host, &pids);
@@ -109,15 +115,7 @@ fn rank_inside_a_task_dies_with_the_host_by_end_of_file_alone() {
     // The rank's main thread is inside a 120 s task, so only its service threads can see
     // the connections close; they log to a stderr whose reader (the host) is dead.
     let dir = tempfile::tempdir().unwrap();
-    let cfg = serde_json::json!({
-        "executor_id": "e",
-        "num_of_processes": 1,
-        "components": [{"id": "e", "path": "Sleep", "args": {"secs": 120}}],
-        "worker": {"program": worker_bin()},
-        "launcher": {"command": {"argv": ["env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
-    });
-    let path = dir.path().join("cfg.json");
-    std::fs::write(&path, cfg.to_string()).unwrap();
+    let path = eof_only_config(dir.path());
     let (host, pids, logs) = spawn_host(&["--config", path.to_str().unwrap()]);
     wait_in_task(&logs);
     let took = kill_host_and_time(host, &pids);

@@ -184,11 +184,7 @@ fn on_mpi_thread<R: Send + 'static>(
     let (reply, result) = mpsc::sync_channel(1);
     let work: Work = Box::new(move |world| {
         let out = catch_unwind(AssertUnwindSafe(|| f(world))).unwrap_or_else(|p| {
-            let text = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let text = rankexec_protocol::panic_message(p.as_ref());
             Err(ComponentError::failed(format!(
                 "the MPI thread panicked: {text}"
             )))

@@ -1017,8 +1017,8 @@ impl Dispatcher {
             limits: FrameLimits::for_max_frame(self.cfg.max_frame.bytes()),
         };
         let link = &mut g.links[rank as usize];
-        link.pid = c.hello.pid;
-        link.pgid = c.hello.pgid;
+        link.pid = c.hello.who.pid;
+        link.pgid = c.hello.who.pgid;
         if let Err(e) = link.attach(c.channel, c.conn, &ctx) {
             self.fail_start(StartError::Threads {
                 rank,
@@ -1028,17 +1028,19 @@ impl Dispatcher {
         }
         if g.external && !g.table.has_rank(rank) {
             // Not our child: watch it through a pidfd so teardown can signal it and see it go.
-            match g
-                .table
-                .add(Role::ExternalRank(rank), c.hello.pid, c.hello.pgid, false)
-            {
+            match g.table.add(
+                Role::ExternalRank(rank),
+                c.hello.who.pid,
+                c.hello.who.pgid,
+                false,
+            ) {
                 Ok((index, fd)) => g.watcher.watch(index, fd),
                 Err(e) => {
-                    debug!(rank, pid = c.hello.pid, error = %e, "cannot open a pidfd for the rank")
+                    debug!(rank, pid = c.hello.who.pid, error = %e, "cannot open a pidfd for the rank")
                 }
             }
         }
-        debug!(rank, channel = c.channel.as_str(), pid = c.hello.pid, host = %c.hello.host, "rank connected");
+        debug!(rank, channel = c.channel.as_str(), pid = c.hello.who.pid, host = %c.hello.who.host, "rank connected");
         self.maybe_send_init();
     }
 

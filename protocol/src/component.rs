@@ -143,6 +143,20 @@ impl ComponentError {
     }
 }
 
+/// The text of a caught panic's payload (`panic!` with a literal or a formatted message).
+///
+/// ```
+/// let p = std::panic::catch_unwind(|| panic!("bad shard {}", 3)).unwrap_err();
+/// assert_eq!(rankexec_protocol::panic_message(p.as_ref()), "bad shard 3");
+/// ```
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
 /// An error followed by every source, joined by `": "` (what `{:#}` prints in anyhow).
 ///
 /// ```

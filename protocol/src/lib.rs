@@ -25,6 +25,7 @@ pub mod wire;
 
 pub use component::{
     ComponentError, Engine, ErrorClass, Executor, FireEventError, FlComponent, error_chain,
+    panic_message,
 };
 pub use context::{FlContext, Prop, PropConflict, PropFlags, keys};
 pub use event::EventType;

@@ -18,8 +18,8 @@ use rankexec_protocol::wire::codec;
 use rankexec_protocol::wire::envelope::{self, BlobPolicy};
 use rankexec_protocol::wire::frame::{FrameLimits, read_frame};
 use rankexec_protocol::wire::message::{
-    BlobHeader, Carrier, Channel, Execute, Handshake, Hello, Init, Message, Props, RankError,
-    TaskOutput, WireComponent, WireShareable,
+    BlobHeader, Carrier, Channel, Execute, Handshake, Hello, Identity, Init, Message, Props,
+    RankError, TaskOutput, WireComponent, WireShareable,
 };
 use rankexec_protocol::wire::{Conn, OutFrame};
 use rankexec_protocol::{Blob, ErrorClass, EventType, Prop, Shareable, Value};
@@ -252,13 +252,15 @@ fn hello() -> impl Strategy<Value = Hello> {
     )
         .prop_map(|(n, channel, launch_id, host, nonce, mac)| Hello {
             version: n[0],
-            channel,
-            rank: n[1],
-            world_size: n[2],
-            launch_id,
-            pid: n[3],
-            pgid: n[4],
-            host,
+            who: Identity {
+                channel,
+                rank: n[1],
+                world_size: n[2],
+                launch_id,
+                pid: n[3],
+                pgid: n[4],
+                host,
+            },
             nonce,
             mac,
         })

@@ -745,11 +745,7 @@ fn install_panic_capture() {
 }
 
 fn panic_text(payload: &Box<dyn std::any::Any + Send>) -> String {
-    let msg = payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".to_owned());
+    let msg = rankexec_protocol::panic_message(payload.as_ref());
     let location = LAST_PANIC
         .lock()
         .unwrap_or_else(PoisonError::into_inner)

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use rankexec_protocol::wire::message::Hello;
+use rankexec_protocol::wire::message::{Hello, Identity};
 use rankexec_protocol::wire::{Channel, Conn, Listener, Secret, effective_uid, server_handshake};
 use std::os::fd::AsFd;
 
@@ -83,7 +83,7 @@ impl AcceptPolicy {
         }
     }
 
-    fn admit(&self, h: &Hello, peer_pid: Option<u32>) -> Result<(), String> {
+    fn admit(&self, h: &Identity, peer_pid: Option<u32>) -> Result<(), String> {
         if h.launch_id != self.launch_id {
             return Err(format!("launch `{}` is not this group's", h.launch_id));
         }
@@ -247,8 +247,8 @@ fn accept_loop(
                         pending.fetch_sub(1, Ordering::SeqCst);
                         match hs {
                             Ok(hello) => report(Connected {
-                                rank: hello.rank,
-                                channel: hello.channel,
+                                rank: hello.who.rank,
+                                channel: hello.who.channel,
                                 conn,
                                 hello,
                             }),
@@ -269,11 +269,9 @@ fn accept_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rankexec_protocol::wire::message::PROTOCOL_VERSION;
 
-    fn hello(rank: u32, channel: Channel) -> Hello {
-        Hello {
-            version: PROTOCOL_VERSION,
+    fn hello(rank: u32, channel: Channel) -> Identity {
+        Identity {
             channel,
             rank,
             world_size: 2,
@@ -281,8 +279,6 @@ mod tests {
             pid: 10,
             pgid: 10,
             host: "h".into(),
-            nonce: [0; 32],
-            mac: [0; 32],
         }
     }
 

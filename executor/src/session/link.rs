@@ -317,7 +317,7 @@ fn start_relayer(conn: &Arc<Conn>, ctx: &LinkContext) -> std::io::Result<Sender<
                     .unwrap_or_else(|p| {
                         Err(format!(
                             "a host handler of `{event}` panicked: {}",
-                            panic_message(p.as_ref())
+                            rankexec_protocol::panic_message(p.as_ref())
                         ))
                     });
                     let reply = Message::EventReply { request_id, result };
@@ -331,13 +331,6 @@ fn start_relayer(conn: &Arc<Conn>, ctx: &LinkContext) -> std::io::Result<Sender<
             })
         })?;
     Ok(tx)
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-text panic".to_owned())
 }
 
 /// Fires a rank's event on the parent's engine, in a fresh context tagged with the rank,

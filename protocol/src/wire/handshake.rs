@@ -2,7 +2,7 @@
 //! random per-launch secret.
 //!
 //! 1. parent → rank: `Challenge { version, nonce_p }`
-//! 2. rank → parent: `Hello { version, channel, rank, ..., nonce_r, mac }` where
+//! 2. rank → parent: `Hello { version, who: Identity { channel, rank, ... }, nonce_r, mac }` where
 //!    `mac = HMAC(secret, "rankexec/v1/hello" ‖ nonce_p ‖ nonce_r ‖ every Hello field)`
 //! 3. parent → rank: `Welcome { HMAC(secret, "rankexec/v1/welcome" ‖ nonce_r ‖ nonce_p ‖ …) }`
 //!    or `Refused { reason }`
@@ -25,7 +25,7 @@ use sha2::Sha256;
 use super::codec::{self, CodecError};
 use super::conn::Conn;
 use super::frame::{FrameError, FrameLimits, OutFrame, read_frame};
-use super::message::{Channel, Handshake, Hello, Mac, Nonce, PROTOCOL_VERSION};
+use super::message::{Handshake, Hello, Identity, Mac, Nonce, PROTOCOL_VERSION};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -179,15 +179,16 @@ fn kind(m: &Handshake) -> String {
 }
 
 fn hello_fields(h: &Hello) -> Vec<Vec<u8>> {
+    let w = &h.who;
     vec![
         h.version.to_le_bytes().to_vec(),
-        [h.channel.index() as u8].to_vec(),
-        h.rank.to_le_bytes().to_vec(),
-        h.world_size.to_le_bytes().to_vec(),
-        h.launch_id.as_bytes().to_vec(),
-        h.pid.to_le_bytes().to_vec(),
-        h.pgid.to_le_bytes().to_vec(),
-        h.host.as_bytes().to_vec(),
+        [w.channel.index() as u8].to_vec(),
+        w.rank.to_le_bytes().to_vec(),
+        w.world_size.to_le_bytes().to_vec(),
+        w.launch_id.as_bytes().to_vec(),
+        w.pid.to_le_bytes().to_vec(),
+        w.pgid.to_le_bytes().to_vec(),
+        w.host.as_bytes().to_vec(),
     ]
 }
 
@@ -204,9 +205,9 @@ fn welcome_mac(secret: &Secret, challenge: &Nonce, h: &Hello) -> HmacSha256 {
         &[
             &h.nonce,
             challenge,
-            &[h.channel.index() as u8],
-            &h.rank.to_le_bytes(),
-            h.launch_id.as_bytes(),
+            &[h.who.channel.index() as u8],
+            &h.who.rank.to_le_bytes(),
+            h.who.launch_id.as_bytes(),
         ],
     )
 }
@@ -218,7 +219,7 @@ pub fn server_handshake(
     conn: &Conn,
     secret: &Secret,
     timeout: Duration,
-    admit: impl FnOnce(&Hello) -> Result<(), String>,
+    admit: impl FnOnce(&Identity) -> Result<(), String>,
 ) -> Result<Hello, HandshakeError> {
     let deadline = Instant::now() + timeout;
     conn.set_write_timeout(Some(timeout))
@@ -268,7 +269,7 @@ pub fn server_handshake(
         refuse("authentication failed".to_owned());
         return Err(HandshakeError::BadMac);
     }
-    if let Err(reason) = admit(&hello) {
+    if let Err(reason) = admit(&hello.who) {
         return Err(HandshakeError::Refused {
             reason: refuse(reason),
         });
@@ -281,25 +282,6 @@ pub fn server_handshake(
     conn.set_read_timeout(None).map_err(FrameError::from)?;
     conn.set_write_timeout(None).map_err(FrameError::from)?;
     Ok(hello)
-}
-
-/// Who a rank says it is on one connection.
-#[derive(Debug, Clone)]
-pub struct Identity {
-    /// Which connection.
-    pub channel: Channel,
-    /// Global rank.
-    pub rank: u32,
-    /// World size.
-    pub world_size: u32,
-    /// The launch id.
-    pub launch_id: String,
-    /// Process id.
-    pub pid: u32,
-    /// Process group id.
-    pub pgid: u32,
-    /// Host name.
-    pub host: String,
 }
 
 /// The rank's side.
@@ -323,13 +305,7 @@ pub fn client_handshake(
     };
     let mut hello = Hello {
         version: PROTOCOL_VERSION,
-        channel: who.channel,
-        rank: who.rank,
-        world_size: who.world_size,
-        launch_id: who.launch_id.clone(),
-        pid: who.pid,
-        pgid: who.pgid,
-        host: who.host.clone(),
+        who: who.clone(),
         nonce: random_bytes().map_err(|e| HandshakeError::Refused {
             reason: e.to_string(),
         })?,
@@ -373,6 +349,7 @@ pub fn client_handshake(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::message::Channel;
 
     fn who() -> Identity {
         Identity {
@@ -389,7 +366,7 @@ mod tests {
     fn run(
         server_secret: Secret,
         client_secret: Secret,
-        admit: fn(&Hello) -> Result<(), String>,
+        admit: fn(&Identity) -> Result<(), String>,
     ) -> (Result<Hello, HandshakeError>, Result<(), HandshakeError>) {
         let (a, b) = Conn::pair().unwrap();
         let t = std::thread::spawn(move || {
@@ -404,7 +381,7 @@ mod tests {
         let secret = Secret::generate().unwrap();
         let (s, c) = run(secret.clone(), secret, |_| Ok(()));
         let hello = s.unwrap();
-        assert_eq!((hello.rank, hello.channel), (1, Channel::Exec));
+        assert_eq!((hello.who.rank, hello.who.channel), (1, Channel::Exec));
         c.unwrap();
     }
 

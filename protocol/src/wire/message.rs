@@ -96,11 +96,9 @@ pub enum Handshake {
     },
 }
 
-/// A rank's introduction on one of its connections.
+/// Who a rank says it is on one of its connections.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Hello {
-    /// The rank's protocol version.
-    pub version: u32,
+pub struct Identity {
     /// Which connection this is.
     pub channel: Channel,
     /// The rank's global rank.
@@ -115,6 +113,16 @@ pub struct Hello {
     pub pgid: u32,
     /// The rank's host name.
     pub host: String,
+}
+
+/// A rank's introduction on one of its connections. (bincode writes a nested struct's
+/// fields in place, so this encodes exactly as the flat list of fields.)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The rank's protocol version.
+    pub version: u32,
+    /// Who the rank says it is.
+    pub who: Identity,
     /// The rank's nonce.
     #[serde(with = "serde_bytes")]
     pub nonce: Nonce,

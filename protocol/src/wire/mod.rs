@@ -17,5 +17,5 @@ pub mod message;
 pub use conn::{Conn, Endpoint, EndpointParseError, Listener, effective_uid};
 pub use envelope::{BlobPolicy, PackError, UnpackError};
 pub use frame::{FrameError, FrameLimits, InFrame, OutFrame};
-pub use handshake::{HandshakeError, Identity, Secret, client_handshake, server_handshake};
-pub use message::{Channel, Message, PROTOCOL_VERSION};
+pub use handshake::{HandshakeError, Secret, client_handshake, server_handshake};
+pub use message::{Channel, Identity, Message, PROTOCOL_VERSION};
