@@ -357,6 +357,7 @@ fn fault_c(s: &Setup<'_>) -> anyhow::Result<()> {
                     "ranks exited on their own {:.4}s after the parent was SIGKILLed",
                     v.iter().copied().fold(0.0, f64::max)
                 ),
+                _ if !ready => "the host never reported its ranks' pids".to_owned(),
                 _ => format!("ranks still alive after 60 s: {survivors:?}"),
             },
             "per_process_gone_after_parent_kill_s": gone,

@@ -215,97 +215,94 @@ impl ScatterAndGather {
         // Detached threads, not scoped ones: a client that never returns (an in-process
         // executor ignoring its abort) is left behind after `abort_wait` instead of
         // holding the job forever. Its late result goes to a closed channel.
-        {
-            for (i, c) in clients.iter().enumerate() {
-                let (tx, abort, input) = (tx.clone(), aborts[i].clone(), input.clone());
-                let (c, obs, task) = (c.clone(), obs.clone(), task.to_owned());
-                let spawned = std::thread::Builder::new()
-                    .name(format!("rx-client-{i}"))
-                    .spawn({
-                        let tx = tx.clone();
-                        move || {
-                            let started = Instant::now();
-                            let r = c.run(&task, input, round, &abort, obs.as_ref());
-                            obs.client_state(c.name(), ClientState::Done);
-                            let _ = tx.send((i, r, started.elapsed()));
-                        }
-                    });
-                if let Err(e) = spawned {
-                    let r = Err((
-                        ErrorClass::Exception,
-                        format!("cannot start the client's thread: {e}"),
-                    ));
-                    let _ = tx.send((i, r, Duration::ZERO));
-                }
+        for (i, c) in clients.iter().enumerate() {
+            let (tx, abort, input) = (tx.clone(), aborts[i].clone(), input.clone());
+            let (c, obs, task) = (c.clone(), obs.clone(), task.to_owned());
+            let spawned = std::thread::Builder::new()
+                .name(format!("rx-client-{i}"))
+                .spawn({
+                    let tx = tx.clone();
+                    move || {
+                        let started = Instant::now();
+                        let r = c.run(&task, input, round, &abort, obs.as_ref());
+                        obs.client_state(c.name(), ClientState::Done);
+                        let _ = tx.send((i, r, started.elapsed()));
+                    }
+                });
+            if let Err(e) = spawned {
+                let r = Err((
+                    ErrorClass::Exception,
+                    format!("cannot start the client's thread: {e}"),
+                ));
+                let _ = tx.send((i, r, Duration::ZERO));
             }
-            drop(tx);
-            let deadline = Instant::now() + timeout;
-            let mut pending: Vec<bool> = vec![true; clients.len()];
-            let mut timed_out: Vec<bool> = vec![false; clients.len()];
-            let mut hard_deadline = None;
-            while pending.iter().any(|p| *p) {
-                let wait_until = hard_deadline.unwrap_or(deadline);
-                match rx.recv_deadline(wait_until) {
-                    Ok((i, r, _elapsed)) => {
-                        pending[i] = false;
-                        let name = clients[i].name().to_owned();
-                        match r {
-                            Ok(s) => {
-                                statuses.insert(name.clone(), TaskStatus::Ok);
-                                ok.push((name, s));
-                            }
-                            Err(_) if timed_out[i] => {
-                                statuses.insert(
-                                    name,
-                                    TaskStatus::TimedOut {
-                                        after_secs: timeout.as_secs_f64(),
-                                    },
-                                );
-                            }
-                            Err((ErrorClass::Aborted, _)) if job_abort.is_triggered() => {
-                                statuses.insert(name, TaskStatus::Aborted);
-                            }
-                            Err((class, error)) => {
-                                warn!(site = %name, task, "{error}");
-                                statuses.insert(
-                                    name,
-                                    TaskStatus::Failed {
-                                        class: class.to_string(),
-                                        error,
-                                    },
-                                );
-                            }
+        }
+        drop(tx);
+        let deadline = Instant::now() + timeout;
+        let mut pending: Vec<bool> = vec![true; clients.len()];
+        let mut timed_out: Vec<bool> = vec![false; clients.len()];
+        let mut hard_deadline = None;
+        while pending.iter().any(|p| *p) {
+            let wait_until = hard_deadline.unwrap_or(deadline);
+            match rx.recv_deadline(wait_until) {
+                Ok((i, r, _elapsed)) => {
+                    pending[i] = false;
+                    let name = clients[i].name().to_owned();
+                    match r {
+                        Ok(s) => {
+                            statuses.insert(name.clone(), TaskStatus::Ok);
+                            ok.push((name, s));
+                        }
+                        Err(_) if timed_out[i] => {
+                            statuses.insert(
+                                name,
+                                TaskStatus::TimedOut {
+                                    after_secs: timeout.as_secs_f64(),
+                                },
+                            );
+                        }
+                        Err((ErrorClass::Aborted, _)) if job_abort.is_triggered() => {
+                            statuses.insert(name, TaskStatus::Aborted);
+                        }
+                        Err((class, error)) => {
+                            warn!(site = %name, task, "{error}");
+                            statuses.insert(
+                                name,
+                                TaskStatus::Failed {
+                                    class: class.to_string(),
+                                    error,
+                                },
+                            );
                         }
                     }
-                    Err(RecvTimeoutError::Timeout) if hard_deadline.is_none() => {
-                        for (i, p) in pending.iter().enumerate() {
-                            if *p {
-                                warn!(
-                                    site = clients[i].name(),
-                                    task, "no result within {timeout:?}; aborting the task"
-                                );
-                                timed_out[i] = true;
-                                aborts[i]
-                                    .trigger(format!("task `{task}` timed out after {timeout:?}"));
-                            }
+                }
+                Err(RecvTimeoutError::Timeout) if hard_deadline.is_none() => {
+                    for (i, p) in pending.iter().enumerate() {
+                        if *p {
+                            warn!(
+                                site = clients[i].name(),
+                                task, "no result within {timeout:?}; aborting the task"
+                            );
+                            timed_out[i] = true;
+                            aborts[i].trigger(format!("task `{task}` timed out after {timeout:?}"));
                         }
-                        hard_deadline = Some(Instant::now() + self.abort_wait);
                     }
-                    Err(_) => {
-                        // Clients that ignore even their executor's bounds are left behind
-                        // (their threads are detached).
-                        for (i, p) in pending.iter().enumerate() {
-                            if *p {
-                                statuses.insert(
-                                    clients[i].name().to_owned(),
-                                    TaskStatus::TimedOut {
-                                        after_secs: timeout.as_secs_f64(),
-                                    },
-                                );
-                            }
+                    hard_deadline = Some(Instant::now() + self.abort_wait);
+                }
+                Err(_) => {
+                    // Clients that ignore even their executor's bounds are left behind
+                    // (their threads are detached).
+                    for (i, p) in pending.iter().enumerate() {
+                        if *p {
+                            statuses.insert(
+                                clients[i].name().to_owned(),
+                                TaskStatus::TimedOut {
+                                    after_secs: timeout.as_secs_f64(),
+                                },
+                            );
                         }
-                        break;
                     }
+                    break;
                 }
             }
         }
