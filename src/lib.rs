@@ -18,7 +18,7 @@
 //! - [`server`]: the FedAvg controller and model persistor;
 //! - [`sim`]: `rankexec simulate`, the whole federation in one process;
 //! - [`signals`]: Ctrl-C handling for binaries;
-//! - [`bench`]: `rankexec bench`.
+//! - [`bench`](mod@bench): `rankexec bench`.
 
 pub use rankexec_executor as executor;
 pub use rankexec_protocol as protocol;

@@ -7,7 +7,7 @@
 //!   [`EventType`], the [`Executor`] and [`FlComponent`] traits, the [`Engine`] that
 //!   components fire events into, and the [`Registry`] that builds components from
 //!   `{id, path, args}`;
-//! - the **wire**: [`wire`] (messages, framing, handshake, transports) and [`env`] (the
+//! - the **wire**: [`wire`] (messages, framing, handshake, transports) and [`env`](mod@env) (the
 //!   environment a rank starts with).
 
 pub mod component;

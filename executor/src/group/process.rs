@@ -1,7 +1,7 @@
 //! The processes of a rank group, and the rule that keeps signals and reaping safe.
 //!
 //! Every process we track has a pidfd. Our own children are reaped only by
-//! [`ProcessTable::reap`], which holds the table lock, and signals are sent only while
+//! `ProcessTable::reap`, which holds the table lock, and signals are sent only while
 //! holding the same lock and only to processes (or groups with a member) not yet
 //! reaped. An unreaped child keeps its pid, and a process group with an unreaped member
 //! keeps its id, so a signal can never reach an unrelated process that reused a pid.
