@@ -113,6 +113,17 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         a.clients.or(job.meta.min_clients).unwrap_or(2),
         workspace.display()
     );
+    for e in &job.executors {
+        if let rankexec::job::ExecutorKind::MultiProcess(cfg) = &e.kind {
+            println!(
+                "  each client: `{}` runs {} on a group of {} ranks (tasks: {})",
+                e.id,
+                cfg.executor_id,
+                cfg.num_of_processes,
+                e.tasks.join(", ")
+            );
+        }
+    }
     let summary = sim::simulate(&job, &opts, &progress, &abort)?;
     print_summary(&summary, &keys);
     println!("summary: {}", workspace.join("summary.json").display());
