@@ -21,12 +21,7 @@ fn aborted_task_then_next_task_runs() {
     .unwrap();
     let mut ctx = start(&exec);
     let pids = exec.live_pids();
-    let abort = Signal::new();
-    let trigger = abort.clone();
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        trigger.trigger("controller asked");
-    });
+    let (abort, t) = abort_after(Duration::from_millis(300), "controller asked");
     let err = exec
         .run_task("train", Shareable::new(), &mut ctx, &abort)
         .unwrap_err();

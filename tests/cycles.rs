@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::*;
 use rankexec::executor::{ExecuteError, MultiProcessExecutor};
-use rankexec::protocol::{Shareable, Signal};
+use rankexec::protocol::Shareable;
 
 #[test]
 fn hundred_launch_abort_cycles_leak_nothing() {
@@ -25,12 +25,7 @@ fn hundred_launch_abort_cycles_leak_nothing() {
         .unwrap();
         let mut ctx = start(&exec);
         sockets.push(socket_path(&exec.status().endpoint.unwrap()));
-        let abort = Signal::new();
-        let a = abort.clone();
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(5));
-            a.trigger("cycle");
-        });
+        let (abort, t) = abort_after(Duration::from_millis(5), "cycle");
         let err = exec
             .run_task("t", Shareable::new(), &mut ctx, &abort)
             .unwrap_err();

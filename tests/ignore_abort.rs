@@ -25,12 +25,7 @@ fn stubborn_rank_is_killed_then_replaced() {
     let exec = MultiProcessExecutor::new(cfg).unwrap();
     let mut ctx = start(&exec);
     let pids = exec.live_pids();
-    let abort = Signal::new();
-    let a = abort.clone();
-    std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(200));
-        a.trigger("stop now");
-    });
+    let (abort, _fired) = abort_after(Duration::from_millis(200), "stop now");
     let err = exec
         .run_task("t", Shareable::new(), &mut ctx, &abort)
         .unwrap_err();

@@ -225,13 +225,7 @@ fn abort_stops_every_rank_at_the_same_step() {
     .unwrap();
     let mut ctx = start(&exec);
     let before = launcher_and_ranks(&exec);
-    let abort = Signal::new();
-    let trigger = abort.clone();
-    let aborter = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(500));
-        trigger.trigger("stop");
-        Instant::now()
-    });
+    let (abort, aborter) = abort_after(Duration::from_millis(500), "stop");
     let err = exec
         .run_task("train", Shareable::new(), &mut ctx, &abort)
         .unwrap_err();

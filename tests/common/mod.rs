@@ -143,6 +143,22 @@ pub fn socket_path(endpoint: &str) -> PathBuf {
     PathBuf::from(endpoint.strip_prefix("local:").expect("local endpoint"))
 }
 
+/// A signal that fires `reason` after `delay`, as a controller's abort would; the thread
+/// returns the instant it fired.
+pub fn abort_after(
+    delay: Duration,
+    reason: &'static str,
+) -> (rankexec::protocol::Signal, std::thread::JoinHandle<Instant>) {
+    let abort = rankexec::protocol::Signal::new();
+    let trigger = abort.clone();
+    let fired = std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        trigger.trigger(reason);
+        Instant::now()
+    });
+    (abort, fired)
+}
+
 /// Starts the executor with a fresh context.
 pub fn start(exec: &MultiProcessExecutor) -> FlContext {
     let mut ctx = FlContext::new();
