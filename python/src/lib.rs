@@ -1,0 +1,23 @@
+//! `rankexec._rankexec`: the native core of the `rankexec` Python package.
+//!
+//! A thin PyO3 layer over the Rust crates; the pure-Python face lives in
+//! `python/rankexec/`. Two halves, one file tree each:
+//!
+//! - [`rank`]: the rank side. The Rust rank runtime (links, handshake, heartbeat,
+//!   memory files) runs on its own threads without the GIL; Python code sees only tasks
+//!   and events.
+//! - [`host`]: the host side. A rank group (`MultiProcessExecutor`) driven from Python,
+//!   used by the NVIDIA FLARE adapter.
+
+use pyo3::prelude::*;
+
+pub mod host;
+pub mod rank;
+
+/// The extension module.
+#[pymodule]
+fn _rankexec(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    rank::register(m)?;
+    host::register(m)?;
+    Ok(())
+}
