@@ -172,6 +172,16 @@ enum TermStage {
     Killing,
 }
 
+/// How a teardown begins.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Teardown {
+    /// `Close`, then the shutdown grace, `SIGTERM`, the term grace, `SIGKILL`. Stages no
+    /// live process can act on are skipped (see `Dispatcher::stop_progress`).
+    Graceful,
+    /// `SIGKILL` at once: the ranks already had their grace (a forced abort).
+    Kill,
+}
+
 /// Something to do once teardown is complete.
 type After = Box<dyn FnOnce(&mut Dispatcher, &FinalizeReport) + Send>;
 
@@ -190,6 +200,9 @@ struct Group {
     last_seen: Vec<Arc<AtomicU64>>,
     external: bool,
     closed_pending: BTreeMap<u32, (Channel, Instant)>,
+    /// Ranks known not to answer (silent past the heartbeat deadline): a `Close` grace
+    /// is not spent on them.
+    unanswering: std::collections::BTreeSet<u32>,
     failures: Vec<RankFailure>,
     /// OOM-kill counters of each process's memory cgroup when it started.
     oom_baselines: BTreeMap<u32, os::OomCounter>,
@@ -404,6 +417,7 @@ impl Dispatcher {
                     .map(|(r, a)| (r as u32, now_ms.saturating_sub(a.load(Ordering::Relaxed))))
                     .find(|(_, ms)| Duration::from_millis(*ms) > timeout);
                 if let Some((rank, ms)) = silent {
+                    g.unanswering.insert(rank);
                     let f =
                         self.failure(rank, FailureCause::Unresponsive(Duration::from_millis(ms)));
                     self.fail_group(f);
@@ -907,6 +921,7 @@ impl Dispatcher {
             last_seen,
             external: !builtin,
             closed_pending: BTreeMap::new(),
+            unanswering: Default::default(),
             failures: Vec::new(),
             oom_baselines: BTreeMap::new(),
             grant,
@@ -1537,8 +1552,9 @@ impl Dispatcher {
                 reason,
                 forced: true,
             };
-            self.begin_stop(
+            self.begin_teardown(
                 "abort grace expired",
+                Teardown::Kill,
                 vec![Box::new(move |_, _| drop(cmd.reply.send(Err(err))))],
             );
         } else {
@@ -1562,8 +1578,9 @@ impl Dispatcher {
                 others: Vec::new(),
             };
             self.last_failure = Some(err.clone());
-            self.begin_stop(
+            self.begin_teardown(
                 "ranks did not stop after a rank failed",
+                Teardown::Kill,
                 vec![Box::new(move |_, _| drop(cmd.reply.send(Err(err))))],
             );
         }
@@ -1750,6 +1767,10 @@ impl Dispatcher {
     }
 
     fn begin_stop(&mut self, reason: &str, after: Vec<After>) {
+        self.begin_teardown(reason, Teardown::Graceful, after);
+    }
+
+    fn begin_teardown(&mut self, reason: &str, how: Teardown, after: Vec<After>) {
         let Some(g) = &mut self.group else {
             let report = FinalizeReport::default();
             for a in after {
@@ -1764,9 +1785,27 @@ impl Dispatcher {
             existing.extend(after);
             return;
         }
-        info!(%reason, "stopping the rank group");
+        info!(%reason, ?how, "stopping the rank group");
         if let Some(p) = &g.policy {
             p.stop_accepting();
+        }
+        let now = Instant::now();
+        if how == Teardown::Kill {
+            let sent = g.table.signal_all(TermSignal::Kill);
+            info!(targets = ?sent, "sent SIGKILL");
+            for l in &mut g.links {
+                l.shutdown();
+            }
+            g.phase = Phase::Stopping {
+                stage: TermStage::Killing,
+                deadline: now + KILL_WAIT,
+                started: now,
+                escalated: Some(TermSignal::Kill),
+                after,
+            };
+            g.closed_pending.clear();
+            self.maybe_finish_stop();
+            return;
         }
         if let Ok(f) = envelope::plain(&Message::Close {
             reason: reason.to_owned(),
@@ -1777,7 +1816,6 @@ impl Dispatcher {
                 link.send(Channel::Handle, f.clone());
             }
         }
-        let now = Instant::now();
         g.phase = Phase::Stopping {
             stage: TermStage::Closing,
             deadline: now + self.cfg.deadlines.shutdown_grace.0,
@@ -1790,6 +1828,12 @@ impl Dispatcher {
     }
 
     fn escalate(&mut self) {
+        self.escalate_once();
+        self.maybe_finish_stop();
+    }
+
+    /// Moves teardown to its next stage (`SIGTERM`, then `SIGKILL`, then giving up).
+    fn escalate_once(&mut self) {
         let Some(g) = &mut self.group else { return };
         let Phase::Stopping {
             stage,
@@ -1827,19 +1871,34 @@ impl Dispatcher {
                     "processes survived SIGKILL (stuck in the kernel?); giving up on them"
                 );
                 self.finish_stop(stuck);
-                return;
             }
         }
-        self.maybe_finish_stop();
     }
 
+    /// Finishes teardown once every process is gone, and skips a stage that no live
+    /// process can act on: the `Close` grace when no live rank can answer a `Close`
+    /// (never connected, silent, stopped, gone), the `SIGTERM` grace when every live
+    /// process is stopped (only `SIGKILL` acts on a stopped process).
     fn maybe_finish_stop(&mut self) {
-        let Some(g) = &self.group else { return };
-        if !matches!(g.phase, Phase::Stopping { .. }) {
-            return;
-        }
-        if g.table.all_exited() {
-            self.finish_stop(Vec::new());
+        loop {
+            let Some(g) = &self.group else { return };
+            let Phase::Stopping { stage, .. } = &g.phase else {
+                return;
+            };
+            if g.table.all_exited() {
+                self.finish_stop(Vec::new());
+                return;
+            }
+            let skip = match stage {
+                TermStage::Closing => !any_live_answers_close(g),
+                TermStage::Terminating => all_live_stopped(g),
+                TermStage::Killing => false,
+            };
+            if !skip {
+                return;
+            }
+            info!(stage = ?stage, "no live process can act on this stage; skipping its grace");
+            self.escalate_once();
         }
     }
 
@@ -1924,6 +1983,35 @@ impl Dispatcher {
         after.push(Box::new(move |_, report| drop(reply.send(report.clone()))));
         self.begin_stop("finalize", after);
     }
+}
+
+/// Whether some live process may still act on a `Close`: a launcher (it exits with its
+/// ranks), or a rank with a channel to receive it that is neither silent nor stopped.
+/// Only our own children are looked up in `/proc`: a pid a rank reports is not trusted.
+fn any_live_answers_close(g: &Group) -> bool {
+    g.table
+        .snapshot()
+        .iter()
+        .filter(|p| p.status.is_none())
+        .any(|p| match p.role {
+            Role::Launcher => true,
+            Role::Rank(r) | Role::ExternalRank(r) => {
+                let link = &g.links[r as usize];
+                let reachable = link.has(Channel::Exec) || link.has(Channel::Handle);
+                reachable
+                    && !g.unanswering.contains(&r)
+                    && !(matches!(p.role, Role::Rank(_)) && os::is_stopped(p.pid))
+            }
+        })
+}
+
+/// Whether every live process is one of our children and stopped.
+fn all_live_stopped(g: &Group) -> bool {
+    g.table
+        .snapshot()
+        .iter()
+        .filter(|p| p.status.is_none())
+        .all(|p| matches!(p.role, Role::Rank(_)) && os::is_stopped(p.pid))
 }
 
 fn describe_missing(g: &Group) -> String {
