@@ -98,18 +98,32 @@ pub(crate) struct EventCmd {
 /// A snapshot for callers.
 #[derive(Debug, Clone, Default)]
 pub struct Status {
-    /// `idle` (no group), `admitting`, `starting`, `ready`, `busy` or `stopping`.
+    /// `idle` (no group), `admitting`, `starting`, `ready`, `busy` or `stopping`; `gone`
+    /// when the dispatcher thread has ended.
     pub phase: &'static str,
     /// Every tracked process of the current group.
     pub processes: Vec<ProcInfo>,
     /// Relaunches since the last successful task.
     pub restarts: u32,
+    /// Commands waiting to run (tasks behind the running one, a park waiting for it).
+    pub queued: usize,
     /// The group's log directory.
     pub log_dir: Option<PathBuf>,
     /// Where the group's ranks connect (`local:PATH` or `tcp:HOST:PORT`).
     pub endpoint: Option<String>,
     /// Whether the executor was finalized.
     pub finalized: bool,
+}
+
+impl Status {
+    /// What is known once the dispatcher thread has ended: nothing runs any more.
+    pub(crate) fn gone() -> Status {
+        Status {
+            phase: "gone",
+            finalized: true,
+            ..Status::default()
+        }
+    }
 }
 
 /// Reports from a group's threads, tagged with the group's generation so that reports
@@ -328,7 +342,7 @@ impl Dispatcher {
             };
             select! {
                 recv(self.cmd_rx) -> cmd => match cmd {
-                    Ok(cmd) => self.queue.push_back(cmd),
+                    Ok(cmd) => self.on_command(cmd),
                     Err(_) => break,
                 },
                 recv(self.ev_rx) -> ev => {
@@ -470,48 +484,50 @@ impl Dispatcher {
             }
     }
 
+    /// Takes a command as it arrives: `Status` and `Finalize` are answered at once and
+    /// never wait behind anything; the rest join the queue.
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Status { reply } => drop(reply.send(self.status())),
+            Command::Finalize { reply } => self.finalize(reply),
+            other => self.queue.push_back(other),
+        }
+    }
+
+    /// Runs queued commands, in arrival order, as soon as each can run; one that must
+    /// wait holds back only what has to follow it. Everything waits for a settled group
+    /// (no launch or teardown in progress). An `Execute` waits for the running task and
+    /// for any queued `Park`; a `Park` waits for the running task and events, never for
+    /// a queued `Execute` (the group is parked between the two tasks, and the next one
+    /// relaunches it); a `Start` and an `Event` wait for nothing else.
     fn drain_queue(&mut self) {
-        let mut budget = self.queue.len() + 1;
-        while budget > 0 {
-            budget -= 1;
-            let Some(cmd) = self.queue.pop_front() else {
-                return;
-            };
-            // Commands that need no settled group.
-            let cmd = match cmd {
-                Command::Status { reply } => {
-                    let _ = reply.send(self.status());
-                    continue;
+        let mut i = 0;
+        while i < self.queue.len() && self.settled() {
+            let ready = match &self.queue[i] {
+                Command::Start { .. } | Command::Event(_) => true,
+                Command::Execute(_) => {
+                    self.task.is_none()
+                        && !self.queue.iter().any(|c| matches!(c, Command::Park { .. }))
                 }
-                Command::Finalize { reply } => {
-                    self.finalize(reply);
-                    continue;
-                }
-                other => other,
+                Command::Park { .. } => self.task.is_none() && self.events.is_empty(),
+                Command::Status { .. } | Command::Finalize { .. } => true,
             };
-            if !self.settled() {
-                self.queue.push_front(cmd);
-                return;
+            if !ready {
+                i += 1;
+                continue;
             }
+            let Some(cmd) = self.queue.remove(i) else {
+                return;
+            };
             match cmd {
                 Command::Start {
                     props,
                     engine,
                     reply,
                 } => self.cmd_start(props, engine, reply),
-                Command::Execute(c) => {
-                    if self.task.is_some() {
-                        self.queue.push_front(Command::Execute(c));
-                        return;
-                    }
-                    self.cmd_execute(c);
-                }
+                Command::Execute(c) => self.cmd_execute(c),
                 Command::Event(c) => self.cmd_event(c),
                 Command::Park { reply } => {
-                    if self.task.is_some() || !self.events.is_empty() {
-                        self.queue.push_front(Command::Park { reply });
-                        return;
-                    }
                     if self.group.is_some() {
                         self.begin_stop(
                             "parked",
@@ -523,7 +539,8 @@ impl Dispatcher {
                         let _ = reply.send(());
                     }
                 }
-                Command::Status { .. } | Command::Finalize { .. } => unreachable!("handled above"),
+                Command::Status { reply } => drop(reply.send(self.status())),
+                Command::Finalize { reply } => self.finalize(reply),
             }
         }
     }
@@ -547,6 +564,7 @@ impl Dispatcher {
                 .map(|g| g.table.snapshot())
                 .unwrap_or_default(),
             restarts: self.restarts,
+            queued: self.queue.len(),
             log_dir: self.group.as_ref().map(|g| g.log_dir.clone()),
             endpoint: self.group.as_ref().map(|g| g.endpoint.clone()),
             finalized: self.finalized,
