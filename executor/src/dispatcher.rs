@@ -619,6 +619,15 @@ impl Dispatcher {
             let _ = c.reply.send(Err(EventError::Finalized));
             return;
         }
+        // An abort of the running task that has not reached us yet (its report may
+        // trail this command, as when an `ABORT_TASK` handler forwards the event) goes
+        // to the ranks first: a rank busy in an event handler would read it late.
+        if let Some(t) = &self.task
+            && t.aborting.is_none()
+            && let Some(reason) = t.cmd.abort.reason()
+        {
+            self.abort_task(t.id, reason);
+        }
         if self.group.is_none() {
             // No ranks to tell (never started, parked, or torn down).
             let _ = c.reply.send(Ok(c.props));
