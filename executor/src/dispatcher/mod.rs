@@ -29,6 +29,7 @@
 //! - `event`: events to the ranks.
 //! - `failure`: failure reports and failing what is in flight.
 //! - `teardown`: the teardown ladder and finalize.
+//! - `tests`: transitions driven without processes.
 
 mod event;
 mod failure;
@@ -38,6 +39,8 @@ mod startup;
 mod state;
 mod task;
 mod teardown;
+#[cfg(test)]
+mod tests;
 
 pub use state::Status;
 pub(crate) use state::{Command, Dispatcher, EventCmd, ExecuteCmd, Reporter};

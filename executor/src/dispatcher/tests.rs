@@ -1,0 +1,305 @@
+//! Transitions of the state machine, driven without processes: commands go in through
+//! `on_command`/`drain_queue`, reports through `on_report`, time through `on_timers`,
+//! and a "group" is installed with no process in it (teardown then ends at once).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, bounded};
+use rankexec_protocol::wire::Channel;
+use rankexec_protocol::wire::message::{Props, RankError};
+use rankexec_protocol::{ErrorClass, EventType, Shareable, Signal};
+
+use super::state::*;
+use crate::admission::{Admission, Grant};
+use crate::config::ExecutorConfig;
+use crate::error::{EventError, ExecuteError, FailureCause, FinalizeReport, StartError};
+use crate::group::output::Tails;
+use crate::group::process::ProcessTable;
+use crate::group::watch::ExitWatcher;
+use crate::session::link::{LinkEvent, RankLink};
+use crate::units::Dur;
+
+type ExecReply = Receiver<Result<(Shareable, Props), ExecuteError>>;
+
+fn dispatcher(n: u32) -> Dispatcher {
+    let mut cfg = ExecutorConfig::simple(n, "Echo", serde_json::Value::Null);
+    // Long enough never to fire unless a test moves time past it.
+    cfg.deadlines.heartbeat_timeout = Dur(Duration::from_secs(3600));
+    let cfg = Arc::new(cfg);
+    let (_tx, rx) = crossbeam_channel::unbounded();
+    let admission = Admission::new(cfg.clone());
+    Dispatcher::new(cfg, PathBuf::from("/nonexistent/worker"), rx, admission).unwrap()
+}
+
+/// Installs a ready group whose ranks are not processes: nothing is sent anywhere, and
+/// a teardown finds every process gone at once.
+fn ready_group(d: &mut Dispatcher) -> u64 {
+    d.generation += 1;
+    let generation = d.generation;
+    let world = d.cfg.num_of_processes;
+    let table = Arc::new(ProcessTable::default());
+    let watcher = ExitWatcher::start(table.clone(), d.ev_tx.clone(), move |e| {
+        (generation, Report::Exited(e))
+    })
+    .unwrap();
+    d.group = Some(Group {
+        generation,
+        epoch: Instant::now(),
+        phase: Phase::Ready,
+        table,
+        watcher,
+        acceptor: None,
+        policy: None,
+        output: None,
+        tails: Arc::new(Tails::default()),
+        _run_dir: None,
+        links: (0..world).map(|_| RankLink::new()).collect(),
+        last_seen: (0..world).map(|_| Arc::new(AtomicU64::new(0))).collect(),
+        external: false,
+        closed_pending: BTreeMap::new(),
+        exits_pending: Vec::new(),
+        unanswering: Default::default(),
+        failures: Vec::new(),
+        oom_baselines: BTreeMap::new(),
+        grant: Grant::default(),
+        reservation: None,
+        log_dir: std::env::temp_dir(),
+        endpoint: "local:/nonexistent".into(),
+        pgid: 0,
+    });
+    generation
+}
+
+fn execute(d: &mut Dispatcher, abort: &Signal) -> ExecReply {
+    let (reply, rx) = bounded(1);
+    d.on_command(Command::Execute(ExecuteCmd {
+        task: "train".into(),
+        input: Shareable::new().with_meta("x", 1),
+        props: Props::new(),
+        abort: abort.clone(),
+        reply,
+    }));
+    d.drain_queue();
+    rx
+}
+
+/// Handles reports until `done` holds (a report comes from a helper thread).
+fn pump(d: &mut Dispatcher, done: impl Fn(&Dispatcher) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done(d) {
+        let (generation, report) = d
+            .ev_rx
+            .recv_deadline(deadline)
+            .expect("no report within 10 s");
+        d.on_report(generation, report);
+    }
+}
+
+/// Starts a task and waits until its frames went out.
+fn sent_task(d: &mut Dispatcher, abort: &Signal) -> (ExecReply, u64) {
+    let rx = execute(d, abort);
+    pump(d, |d| d.task.as_ref().is_some_and(|t| t.sent.is_some()));
+    let id = d.task.as_ref().map(|t| t.id).unwrap();
+    (rx, id)
+}
+
+fn result(d: &mut Dispatcher, generation: u64, rank: u32, task_id: u64, class: ErrorClass) {
+    d.on_report(
+        generation,
+        Report::Link {
+            rank,
+            ev: LinkEvent::TaskResult {
+                task_id,
+                outcome: Err(RankError {
+                    class,
+                    message: "stopped".into(),
+                }),
+            },
+        },
+    );
+}
+
+fn answer<T>(rx: &Receiver<T>) -> T {
+    rx.try_recv().expect("the caller has its answer")
+}
+
+#[test]
+fn abort_before_start_answers_at_once_and_launches_nothing() {
+    let mut d = dispatcher(2);
+    let abort = Signal::new();
+    abort.trigger("too late");
+    let rx = execute(&mut d, &abort);
+    let err = answer(&rx).unwrap_err();
+    assert!(
+        matches!(&err, ExecuteError::Aborted { forced: false, reason, .. } if reason == "too late"),
+        "{err:?}"
+    );
+    assert!(d.pending.is_none() && d.group.is_none());
+}
+
+#[test]
+fn finalize_while_launching_fails_the_start_and_launches_nothing() {
+    let mut d = dispatcher(2);
+    let (reply, start) = bounded(1);
+    d.on_command(Command::Start {
+        props: Props::new(),
+        engine: None,
+        reply,
+    });
+    d.drain_queue();
+    assert!(d.pending.as_ref().is_some_and(|p| p.in_flight));
+    assert_eq!(d.status().phase, "admitting");
+    let (reply, fin) = bounded(1);
+    d.on_command(Command::Finalize { reply });
+    assert!(matches!(answer(&start), Err(StartError::Aborted)));
+    let report: FinalizeReport = answer(&fin);
+    assert_eq!(report.escalated, None);
+    // The admission attempt answers later: nothing may launch from it.
+    let (generation, late) = d.ev_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(matches!(late, Report::Admitted { .. }));
+    d.on_report(generation, late);
+    assert!(d.group.is_none() && d.pending.is_none());
+}
+
+#[test]
+fn cooperative_abort_keeps_the_group() {
+    let mut d = dispatcher(2);
+    let generation = ready_group(&mut d);
+    let abort = Signal::new();
+    let (rx, id) = sent_task(&mut d, &abort);
+    d.on_report(
+        generation,
+        Report::AbortTask {
+            task_id: id,
+            reason: "asked".into(),
+        },
+    );
+    assert!(d.task.as_ref().is_some_and(|t| t.aborting.is_some()));
+    result(&mut d, generation, 0, id, ErrorClass::Aborted);
+    assert!(rx.try_recv().is_err(), "rank 1 has not returned");
+    result(&mut d, generation, 1, id, ErrorClass::Aborted);
+    assert!(matches!(
+        answer(&rx),
+        Err(ExecuteError::Aborted { forced: false, .. })
+    ));
+    assert!(
+        d.group
+            .as_ref()
+            .is_some_and(|g| matches!(g.phase, Phase::Ready))
+    );
+}
+
+#[test]
+fn abort_grace_expiry_kills_the_group() {
+    let mut d = dispatcher(2);
+    let generation = ready_group(&mut d);
+    let (rx, id) = sent_task(&mut d, &Signal::new());
+    d.on_report(
+        generation,
+        Report::AbortTask {
+            task_id: id,
+            reason: "asked".into(),
+        },
+    );
+    result(&mut d, generation, 0, id, ErrorClass::Aborted);
+    d.on_timers(Instant::now() + d.cfg.deadlines.abort_grace.0);
+    assert!(matches!(
+        answer(&rx),
+        Err(ExecuteError::Aborted { forced: true, .. })
+    ));
+    assert!(d.group.is_none(), "the group was killed");
+}
+
+#[test]
+fn a_failure_during_an_abort_is_the_answer_and_stops_the_group() {
+    let mut d = dispatcher(2);
+    let generation = ready_group(&mut d);
+    let (rx, id) = sent_task(&mut d, &Signal::new());
+    d.on_report(
+        generation,
+        Report::AbortTask {
+            task_id: id,
+            reason: "asked".into(),
+        },
+    );
+    d.on_report(
+        generation,
+        Report::Link {
+            rank: 1,
+            ev: LinkEvent::Protocol {
+                channel: Channel::Exec,
+                what: "garbage".into(),
+            },
+        },
+    );
+    let err = answer(&rx).unwrap_err();
+    let ExecuteError::RankFailed { failure, .. } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(failure.rank, 1);
+    assert!(matches!(failure.cause, FailureCause::Protocol { .. }));
+    assert!(d.group.is_none());
+    // The next task relaunches (after the restart back-off).
+    let _next = execute(&mut d, &Signal::new());
+    assert!(d.pending.is_some());
+}
+
+#[test]
+fn an_event_timeout_during_a_task_fails_both_and_stops_the_group() {
+    let mut d = dispatcher(2);
+    let generation = ready_group(&mut d);
+    let (task, id) = sent_task(&mut d, &Signal::new());
+    let (reply, event) = bounded(1);
+    d.on_command(Command::Event(EventCmd {
+        event: EventType::new("round_started"),
+        props: Props::new(),
+        reply,
+    }));
+    d.drain_queue();
+    assert_eq!(d.events.len(), 1, "the event runs beside the task");
+    // Rank 0 answers the task; nobody answers the event.
+    d.on_report(
+        generation,
+        Report::Link {
+            rank: 0,
+            ev: LinkEvent::TaskResult {
+                task_id: id,
+                outcome: Ok((Props::new(), Shareable::new())),
+            },
+        },
+    );
+    d.on_timers(Instant::now() + d.cfg.deadlines.event.0);
+    assert!(matches!(
+        answer(&event),
+        Err(EventError::Timeout { ref pending, .. }) if pending == &[0, 1]
+    ));
+    let err = answer(&task).unwrap_err();
+    assert!(
+        matches!(&err, ExecuteError::RankFailed { failure, .. } if matches!(failure.cause, FailureCause::Unresponsive(_))),
+        "{err:?}"
+    );
+    assert!(d.group.is_none());
+}
+
+#[test]
+fn finalize_while_a_task_is_packed_aborts_it_and_ignores_the_frames() {
+    let mut d = dispatcher(2);
+    ready_group(&mut d);
+    let rx = execute(&mut d, &Signal::new());
+    assert!(d.task.as_ref().is_some_and(|t| t.sent.is_none()));
+    let (reply, fin) = bounded(1);
+    d.on_command(Command::Finalize { reply });
+    assert!(matches!(
+        answer(&rx),
+        Err(ExecuteError::Aborted { forced: false, .. })
+    ));
+    answer(&fin);
+    // The packed frames arrive for a task that is gone.
+    let (generation, late) = d.ev_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    d.on_report(generation, late);
+    assert!(d.task.is_none() && d.group.is_none());
+}
