@@ -1,0 +1,192 @@
+//! The exec thread: every task, one after another, on one long-lived thread, and its
+//! result.
+
+use rankexec_protocol::error_chain as chain;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use rankexec_protocol::wire::envelope::{self};
+use rankexec_protocol::wire::message::{Props, RankError, TaskOutput, WireShareable};
+use rankexec_protocol::wire::{FrameError, Message, frame::read_frame};
+use rankexec_protocol::{ErrorClass, Executor, FlContext, Shareable};
+use tracing::{debug, info, info_span, warn};
+
+use super::*;
+
+pub(super) fn exec_loop(rank: &Rank, executor: &Arc<dyn Executor>) -> u8 {
+    loop {
+        let frame = match read_frame(&rank.exec.conn, &parent_limits()) {
+            Ok(f) => f,
+            Err(FrameError::Closed) if rank.closing() => return EXIT_OK,
+            Err(FrameError::Closed) => parent_gone("exec"),
+            Err(e) => protocol_violation("exec", &chain(&e)),
+        };
+        let msg = match envelope::decode(&frame) {
+            Ok(m) => m,
+            Err(e) => protocol_violation("exec", &chain(&e)),
+        };
+        match msg {
+            Message::Execute(x) => {
+                let x = *x;
+                let input = match envelope::unpack(x.input, &frame.body, frame.fds) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        rank.tasks().skip(x.task_id);
+                        let _ = rank.exec.send(&Message::TaskResult {
+                            task_id: x.task_id,
+                            outcome: Err(RankError {
+                                class: ErrorClass::Protocol,
+                                message: format!("cannot unpack task input: {}", chain(&e)),
+                            }),
+                        });
+                        continue;
+                    }
+                };
+                // The handle thread closes under the same lock, so a Close that came
+                // while this task was on its way is seen here.
+                let signal = {
+                    let mut tasks = rank.tasks();
+                    let closing = rank.closing().then_some("closing");
+                    tasks.start(x.task_id, closing)
+                };
+                // Tasks run here, one after another, on this one long-lived thread; the
+                // handle thread delivers aborts meanwhile.
+                run_task(
+                    rank,
+                    executor,
+                    Job {
+                        task_id: x.task_id,
+                        task: x.task,
+                        props: x.props,
+                        input,
+                        want_output: x.want_output,
+                        signal,
+                    },
+                );
+            }
+            Message::Close { reason } => {
+                info!(%reason, "close requested");
+                rank.closing.store(true, Ordering::SeqCst);
+                return EXIT_OK;
+            }
+            other => protocol_violation("exec", &format!("unexpected {}", other.kind())),
+        }
+    }
+}
+
+pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
+    let span = info_span!("task", task = %job.task, task_id = job.task_id);
+    let _enter = span.enter();
+    let mut ctx = rank.rank_ctx(job.props);
+    let started = std::time::Instant::now();
+    // The input's (and output's) mappings are released only after the result is sent:
+    // unmapping a large blob is not worth making the parent wait for.
+    let input_blobs: Vec<rankexec_protocol::Blob> = job.input.blobs().values().cloned().collect();
+    let res = catch_unwind(AssertUnwindSafe(|| {
+        executor.execute(&job.task, job.input, &mut ctx, &job.signal)
+    }));
+    let (outcome, output) = match res {
+        // Rank 0 always returns its output; the others only when the executor gathers.
+        Ok(Ok(out)) => (
+            pack_output(rank, job.want_output || rank.env.rank == 0, &ctx, &out),
+            Some(out),
+        ),
+        Ok(Err(e)) => (
+            Err(RankError {
+                class: e.class(),
+                message: e.chain_text(),
+            }),
+            None,
+        ),
+        Err(p) => (
+            Err(RankError {
+                class: ErrorClass::Panic,
+                message: panic_text(&p),
+            }),
+            None,
+        ),
+    };
+    rank.tasks().finish();
+    match &outcome {
+        Ok(_) => debug!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "task done"
+        ),
+        Err(e) => warn!(class = %e.class, "task failed: {}", e.message),
+    }
+    send_result(rank, job.task_id, outcome);
+    drop((input_blobs, output));
+}
+
+pub(super) type Packed = (
+    TaskOutput,
+    Vec<bytes::Bytes>,
+    Vec<Arc<std::os::fd::OwnedFd>>,
+);
+
+pub(super) fn pack_output(
+    rank: &Rank,
+    want: bool,
+    ctx: &FlContext,
+    out: &Shareable,
+) -> Result<Packed, RankError> {
+    if !want {
+        return Ok((
+            TaskOutput {
+                props: Props::new(),
+                output: WireShareable::default(),
+            },
+            Vec::new(),
+            Vec::new(),
+        ));
+    }
+    let (mut body, mut fds) = (Vec::new(), Vec::new());
+    let output =
+        envelope::pack(out, rank.blob_policy_out, &mut body, &mut fds).map_err(|e| RankError {
+            class: ErrorClass::Exception,
+            message: format!("cannot send the task output: {}", chain(&e)),
+        })?;
+    Ok((
+        TaskOutput {
+            props: ctx.props().clone(),
+            output,
+        },
+        body,
+        fds,
+    ))
+}
+
+pub(super) fn send_result(rank: &Rank, task_id: u64, outcome: Result<Packed, RankError>) {
+    let (msg, body, fds) = match outcome {
+        Ok((out, body, fds)) => (
+            Message::TaskResult {
+                task_id,
+                outcome: Ok(out),
+            },
+            body,
+            fds,
+        ),
+        Err(e) => (
+            Message::TaskResult {
+                task_id,
+                outcome: Err(e),
+            },
+            Vec::new(),
+            Vec::new(),
+        ),
+    };
+    let sent = envelope::frame(&msg, body, fds)
+        .map_err(|e| chain(&e))
+        .and_then(|f| {
+            rank.exec
+                .send_frame("TaskResult", &f)
+                .map_err(|e| chain(&e))
+        });
+    if let Err(e) = sent {
+        if rank.closing() {
+            return;
+        }
+        warn!("cannot send the task result: {e}");
+    }
+}

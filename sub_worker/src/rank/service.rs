@@ -1,0 +1,112 @@
+//! The service threads: handle (events, aborts, close), event relay replies, heartbeat.
+
+use rankexec_protocol::error_chain as chain;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rankexec_protocol::wire::envelope::{self};
+use rankexec_protocol::wire::message::RankError;
+use rankexec_protocol::wire::{FrameError, Message, frame::read_frame};
+use rankexec_protocol::{Component, ErrorClass, Signal};
+use tracing::{debug, info_span};
+
+use super::*;
+
+pub(super) fn handle_loop(rank: &Rank, components: &[(String, Component)]) {
+    loop {
+        let frame = match read_frame(&rank.handle.conn, &parent_limits()) {
+            Ok(f) => f,
+            Err(FrameError::Closed) if rank.closing() => return,
+            Err(FrameError::Closed) => parent_gone("handle"),
+            Err(e) => protocol_violation("handle", &chain(&e)),
+        };
+        let msg = match envelope::decode(&frame) {
+            Ok(m) => m,
+            Err(e) => protocol_violation("handle", &chain(&e)),
+        };
+        match msg {
+            Message::HandleEvent {
+                event_id,
+                event,
+                props,
+            } => {
+                let span = info_span!("event", event = %event);
+                let _enter = span.enter();
+                let mut ctx = rank.rank_ctx(props);
+                let mut result = Ok(());
+                for (id, c) in components {
+                    let r = catch_unwind(AssertUnwindSafe(|| {
+                        c.handler().handle_event(&event, &mut ctx)
+                    }));
+                    let err = match r {
+                        Ok(Ok(())) => continue,
+                        Ok(Err(e)) => RankError {
+                            class: e.class(),
+                            message: format!("component `{id}`: {}", e.chain_text()),
+                        },
+                        Err(p) => RankError {
+                            class: ErrorClass::Panic,
+                            message: format!("component `{id}`: {}", panic_text(&p)),
+                        },
+                    };
+                    result = Err(err);
+                    break;
+                }
+                let reply = Message::EventAck {
+                    event_id,
+                    result: result.map(|()| ctx.props().clone()),
+                };
+                if rank.handle.send(&reply).is_err() && !rank.closing() {
+                    parent_gone("handle");
+                }
+            }
+            Message::Abort { task_id, reason } => rank.tasks().abort(task_id, reason),
+            Message::Close { reason } => {
+                // The exec thread may be inside a task: stop it, then the exec channel's
+                // own Close (or its end of file) ends the rank.
+                let mut tasks = rank.tasks();
+                rank.closing.store(true, Ordering::SeqCst);
+                tasks.close(&reason);
+                return;
+            }
+            other => protocol_violation("handle", &format!("unexpected {}", other.kind())),
+        }
+    }
+}
+
+pub(super) fn event_loop(rank: &Rank) {
+    loop {
+        let frame = match read_frame(&rank.event.conn, &parent_limits()) {
+            Ok(f) => f,
+            Err(FrameError::Closed) if rank.closing() => {
+                rank.engine.fail_all();
+                return;
+            }
+            Err(FrameError::Closed) => parent_gone("event"),
+            Err(e) => protocol_violation("event", &chain(&e)),
+        };
+        match envelope::decode(&frame) {
+            Ok(Message::EventReply { request_id, result }) => {
+                if !rank.engine.complete(request_id, result) {
+                    debug!(request_id, "late event reply ignored");
+                }
+            }
+            Ok(other) => protocol_violation("event", &format!("unexpected {}", other.kind())),
+            Err(e) => protocol_violation("event", &chain(&e)),
+        }
+    }
+}
+
+pub(super) fn heartbeat_loop(rank: &Rank, stop: &Signal, every: Duration) {
+    let mut seq = 0u64;
+    while !stop.wait_timeout(every) {
+        seq += 1;
+        if rank.event.send(&Message::Heartbeat { seq }).is_err() {
+            if rank.closing() {
+                return;
+            }
+            parent_gone("event");
+        }
+    }
+}
