@@ -119,7 +119,7 @@ impl Dispatcher {
         let rank = pending.first().copied().unwrap_or(0);
         let f = self.failure(rank, FailureCause::Unresponsive(self.cfg.deadlines.event.0));
         let mut after = self.fail_inflight(&f);
-        after.push(Box::new(move |_, _| drop(reply.send(Err(err)))));
+        after.push(After::FailEvent(reply, err));
         self.begin_stop("event deadline", after);
     }
 }

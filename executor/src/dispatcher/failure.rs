@@ -93,9 +93,10 @@ impl Dispatcher {
                     // to close so the failure names a rank.
                     let deadline = Instant::now() + CLOSED_GRACE;
                     if let Some(g) = &mut self.group {
-                        g.closed_pending
-                            .entry(0)
-                            .or_insert((Channel::Exec, deadline));
+                        g.closed_pending.entry(0).or_insert(ClosedPending {
+                            channel: Channel::Exec,
+                            deadline,
+                        });
                     }
                     warn!("the launcher exited with {}", e.status);
                 }
@@ -149,9 +150,10 @@ impl Dispatcher {
                     self.fail_group(f);
                 } else {
                     // Our own child: wait briefly for its exit status, which says more.
-                    g.closed_pending
-                        .entry(rank)
-                        .or_insert((channel, Instant::now() + CLOSED_GRACE));
+                    g.closed_pending.entry(rank).or_insert(ClosedPending {
+                        channel,
+                        deadline: Instant::now() + CLOSED_GRACE,
+                    });
                 }
             }
             LinkEvent::Protocol { channel, what } => {
@@ -180,14 +182,14 @@ impl Dispatcher {
             };
             self.last_failure = Some(err.clone());
             let reply = t.cmd.reply;
-            after.push(Box::new(move |_, _| drop(reply.send(Err(err)))));
+            after.push(After::FailTask(reply, err));
         }
         for (_, op) in std::mem::take(&mut self.events) {
             let err = EventError::RankFailed {
                 event: op.cmd.event.to_string(),
                 failure: Box::new(f.clone()),
             };
-            after.push(Box::new(move |_, _| drop(op.cmd.reply.send(Err(err)))));
+            after.push(After::FailEvent(op.cmd.reply, err));
         }
         after
     }
@@ -232,14 +234,7 @@ impl Dispatcher {
         warn!("rank group start-up failed: {}", chain(&err));
         self.note_failure();
         self.last_failure = Some(ExecuteError::Start(err.clone()));
-        self.begin_stop(
-            "start-up failed",
-            vec![Box::new(move |_, _| {
-                for w in waiters {
-                    w.fail(&err);
-                }
-            })],
-        );
+        self.begin_stop("start-up failed", vec![After::FailWaiters(waiters, err)]);
     }
 }
 

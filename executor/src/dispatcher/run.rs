@@ -123,12 +123,12 @@ impl Dispatcher {
                     }
                 }
             }
-            ds.extend(g.closed_pending.values().map(|(_, d)| *d));
+            ds.extend(g.closed_pending.values().map(|c| c.deadline));
             ds.extend(g.exits_pending.first().map(|e| e.deadline));
         }
         if let Some(t) = &self.task {
             ds.push(t.deadline);
-            ds.extend(t.aborting.as_ref().map(|(_, d, _)| *d));
+            ds.extend(t.aborting.as_ref().map(|a| a.deadline));
         }
         ds.extend(self.events.values().map(|e| e.deadline));
         ds.into_iter().min()
@@ -177,8 +177,8 @@ impl Dispatcher {
         let expired: Vec<(u32, Channel)> = g
             .closed_pending
             .iter()
-            .filter(|(_, (_, d))| now >= *d)
-            .map(|(r, (c, _))| (*r, *c))
+            .filter(|(_, c)| now >= c.deadline)
+            .map(|(r, c)| (*r, c.channel))
             .collect();
         if let Some((rank, ch)) = expired.first() {
             let f = self.failure(*rank, FailureCause::ConnectionClosed(*ch));
@@ -186,8 +186,8 @@ impl Dispatcher {
             return;
         }
         if let Some(t) = &self.task {
-            if let Some((_, d, _)) = &t.aborting
-                && now >= *d
+            if let Some(a) = &t.aborting
+                && now >= a.deadline
             {
                 self.force_abort();
                 return;
@@ -261,12 +261,7 @@ impl Dispatcher {
                 Command::Event(c) => self.cmd_event(c),
                 Command::Park { reply } => {
                     if self.group.is_some() {
-                        self.begin_stop(
-                            "parked",
-                            vec![Box::new(move |_, _| {
-                                let _ = reply.send(());
-                            })],
-                        );
+                        self.begin_stop("parked", vec![After::Parked(reply)]);
                     } else {
                         let _ = reply.send(());
                     }

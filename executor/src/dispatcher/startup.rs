@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use rankexec_protocol::ErrorClass;
 use rankexec_protocol::wire::envelope;
@@ -170,15 +169,7 @@ impl Dispatcher {
         };
         self.begin_stop(
             "out of memory at start-up; retrying",
-            vec![Box::new(move |d: &mut Dispatcher, _| {
-                d.pending = Some(PendingLaunch {
-                    not_before: Instant::now(),
-                    admission_deadline: None,
-                    in_flight: false,
-                    attempt: 0,
-                    waiters,
-                });
-            })],
+            vec![After::Relaunch(waiters)],
         );
     }
 }

@@ -190,8 +190,27 @@ pub(super) enum Teardown {
     Kill,
 }
 
-/// Something to do once teardown is complete.
-pub(super) type After = Box<dyn FnOnce(&mut Dispatcher, &FinalizeReport) + Send>;
+/// What to do once teardown is complete (every process gone): answers are delivered
+/// only then, so a caller that hears of a failure finds no process left.
+pub(super) enum After {
+    /// Answer a task with an error.
+    FailTask(
+        Sender<Result<(Shareable, Props), ExecuteError>>,
+        ExecuteError,
+    ),
+    /// Answer an event with an error.
+    FailEvent(Sender<Result<Props, EventError>>, EventError),
+    /// Answer a park.
+    Parked(Sender<()>),
+    /// Answer a finalize with the teardown's report.
+    Finalized(Sender<FinalizeReport>),
+    /// Fail the commands that waited for a start-up.
+    FailWaiters(Vec<Waiter>, StartError),
+    /// Run a task again, on a relaunched group (it ran out of memory).
+    RetryTask(ExecuteCmd),
+    /// Launch again for the commands that waited (out of memory at start-up).
+    Relaunch(Vec<Waiter>),
+}
 
 pub(super) struct Group {
     pub(super) generation: u64,
@@ -207,7 +226,8 @@ pub(super) struct Group {
     pub(super) links: Vec<RankLink>,
     pub(super) last_seen: Vec<Arc<AtomicU64>>,
     pub(super) external: bool,
-    pub(super) closed_pending: BTreeMap<u32, (Channel, Instant)>,
+    /// Ranks whose connection closed, waiting briefly for their exit status.
+    pub(super) closed_pending: BTreeMap<u32, ClosedPending>,
     /// Processes that exited while their stderr was still open: their failure is
     /// reported when it closes (so the report has their last lines) or at the deadline
     /// (a child they left holds it), in the order they exited. Nothing waits on it.
@@ -226,6 +246,24 @@ pub(super) struct Group {
     pub(super) pgid: u32,
 }
 
+/// A connection that closed: the failure if no exit status comes by `deadline`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ClosedPending {
+    pub(super) channel: Channel,
+    pub(super) deadline: Instant,
+}
+
+/// A task being stopped.
+#[derive(Debug)]
+pub(super) struct Aborting {
+    pub(super) reason: String,
+    /// When the abort grace ends and the group is killed.
+    pub(super) deadline: Instant,
+    /// Whether the caller asked (its answer is then `Aborted`), rather than a rank's
+    /// failure making the others stop (the answer is that failure).
+    pub(super) by_user: bool,
+}
+
 /// An exit whose report waits for the process's stderr to close.
 pub(super) struct PendingExit {
     pub(super) source: Source,
@@ -240,7 +278,7 @@ pub(super) struct TaskOp {
     pub(super) cmd: ExecuteCmd,
     pub(super) deadline: Instant,
     pub(super) results: Vec<Option<Result<(Props, Shareable), RankError>>>,
-    pub(super) aborting: Option<(String, Instant, bool)>,
+    pub(super) aborting: Option<Aborting>,
     pub(super) _sub: Subscription,
     pub(super) span: tracing::Span,
     /// The frames sent to the ranks (`None` while they are being packed), kept (with

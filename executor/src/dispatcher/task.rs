@@ -169,16 +169,16 @@ impl Dispatcher {
             return;
         }
         match &mut t.aborting {
-            Some((_, _, by_user)) => {
-                *by_user = true;
+            Some(a) => {
+                a.by_user = true;
                 return;
             }
             None => {
-                t.aborting = Some((
-                    reason.clone(),
-                    Instant::now() + self.cfg.deadlines.abort_grace.0,
-                    true,
-                ));
+                t.aborting = Some(Aborting {
+                    reason: reason.clone(),
+                    deadline: Instant::now() + self.cfg.deadlines.abort_grace.0,
+                    by_user: true,
+                });
             }
         }
         t.span.in_scope(|| info!(%reason, "aborting the task"));
@@ -210,11 +210,11 @@ impl Dispatcher {
         if first_error {
             // Other ranks may be stuck waiting for the failed one in a collective: tell
             // them to stop, and kill them if they do not.
-            t.aborting = Some((
-                format!("rank {rank} failed"),
-                Instant::now() + self.cfg.deadlines.abort_grace.0,
-                false,
-            ));
+            t.aborting = Some(Aborting {
+                reason: format!("rank {rank} failed"),
+                deadline: Instant::now() + self.cfg.deadlines.abort_grace.0,
+                by_user: false,
+            });
             self.send_abort(task_id, &format!("rank {rank} failed"));
         }
         if self
@@ -238,9 +238,9 @@ impl Dispatcher {
                 None => {}
             }
         }
-        let by_user = t.aborting.as_ref().is_some_and(|(_, _, u)| *u);
+        let by_user = t.aborting.as_ref().is_some_and(|a| a.by_user);
         if by_user {
-            let reason = t.aborting.map(|(r, _, _)| r).unwrap_or_default();
+            let reason = t.aborting.map(|a| a.reason).unwrap_or_default();
             info!("task aborted; every rank returned");
             let _ = t.cmd.reply.send(Err(ExecuteError::Aborted {
                 task: t.cmd.task,
@@ -274,9 +274,7 @@ impl Dispatcher {
                 let cmd = t.cmd;
                 self.begin_stop(
                     "out of memory; retrying the task",
-                    vec![Box::new(move |d: &mut Dispatcher, _| {
-                        d.queue.push_front(Command::Execute(cmd))
-                    })],
+                    vec![After::RetryTask(cmd)],
                 );
                 return;
             }
@@ -318,7 +316,7 @@ impl Dispatcher {
         let Some(t) = self.task.take() else { return };
         let pending = missing_ranks(&t.results);
         let (reason, by_user) = match &t.aborting {
-            Some((r, _, u)) => (r.clone(), *u),
+            Some(a) => (a.reason.clone(), a.by_user),
             None => (String::new(), false),
         };
         t.span.in_scope(|| {
@@ -337,7 +335,7 @@ impl Dispatcher {
             self.begin_teardown(
                 "abort grace expired",
                 Teardown::Kill,
-                vec![Box::new(move |_, _| drop(cmd.reply.send(Err(err))))],
+                vec![After::FailTask(cmd.reply, err)],
             );
         } else {
             // A rank failed and the others did not stop: the failure is the answer.
@@ -363,7 +361,7 @@ impl Dispatcher {
             self.begin_teardown(
                 "ranks did not stop after a rank failed",
                 Teardown::Kill,
-                vec![Box::new(move |_, _| drop(cmd.reply.send(Err(err))))],
+                vec![After::FailTask(cmd.reply, err)],
             );
         }
     }
@@ -380,10 +378,7 @@ impl Dispatcher {
         self.note_failure();
         self.last_failure = Some(err.clone());
         let reply = t.cmd.reply;
-        self.begin_stop(
-            "task deadline",
-            vec![Box::new(move |_, _| drop(reply.send(Err(err))))],
-        );
+        self.begin_stop("task deadline", vec![After::FailTask(reply, err)]);
     }
 }
 

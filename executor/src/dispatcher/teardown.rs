@@ -24,7 +24,7 @@ impl Dispatcher {
         let Some(g) = &mut self.group else {
             let report = FinalizeReport::default();
             for a in after {
-                a(self, &report);
+                self.apply(a, &report);
             }
             return;
         };
@@ -183,7 +183,32 @@ impl Dispatcher {
         // reservation on the admission thread (after any update queued there).
         drop(g);
         for a in after {
-            a(self, &report);
+            self.apply(a, &report);
+        }
+    }
+
+    /// Does what waited for the teardown.
+    fn apply(&mut self, after: After, report: &FinalizeReport) {
+        match after {
+            After::FailTask(reply, err) => drop(reply.send(Err(err))),
+            After::FailEvent(reply, err) => drop(reply.send(Err(err))),
+            After::Parked(reply) => drop(reply.send(())),
+            After::Finalized(reply) => drop(reply.send(report.clone())),
+            After::FailWaiters(waiters, err) => {
+                for w in waiters {
+                    w.fail(&err);
+                }
+            }
+            After::RetryTask(cmd) => self.queue.push_front(Command::Execute(cmd)),
+            After::Relaunch(waiters) => {
+                self.pending = Some(PendingLaunch {
+                    not_before: Instant::now(),
+                    admission_deadline: None,
+                    in_flight: false,
+                    attempt: 0,
+                    waiters,
+                });
+            }
         }
     }
 
@@ -201,12 +226,10 @@ impl Dispatcher {
                 forced: false,
             };
             let r = t.cmd.reply;
-            after.push(Box::new(move |_, _| drop(r.send(Err(err)))));
+            after.push(After::FailTask(r, err));
         }
         for (_, op) in std::mem::take(&mut self.events) {
-            after.push(Box::new(move |_, _| {
-                drop(op.cmd.reply.send(Err(EventError::Finalized)))
-            }));
+            after.push(After::FailEvent(op.cmd.reply, EventError::Finalized));
         }
         if let Some(p) = self.pending.take() {
             for w in p.waiters {
@@ -232,7 +255,7 @@ impl Dispatcher {
             }
         }
         self.deferred = None;
-        after.push(Box::new(move |_, report| drop(reply.send(report.clone()))));
+        after.push(After::Finalized(reply));
         self.begin_stop("finalize", after);
     }
 }
