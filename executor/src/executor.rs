@@ -162,6 +162,7 @@ impl MultiProcessExecutor {
             props: ctx.props().clone(),
             abort: abort.clone(),
             reply,
+            wake: None,
         })) {
             return Err(ExecuteError::DispatcherGone);
         }

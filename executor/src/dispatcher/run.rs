@@ -13,7 +13,7 @@ use rankexec_protocol::wire::message::Props;
 
 use crate::admission::Admission;
 use crate::config::ExecutorConfig;
-use crate::error::{FailureCause, StartError};
+use crate::error::{ExecuteError, FailureCause, StartError};
 use crate::offload::Offload;
 
 use super::startup::describe_missing;
@@ -222,7 +222,56 @@ impl Dispatcher {
         match cmd {
             Command::Status { reply } => drop(reply.send(self.status())),
             Command::Finalize { reply } => self.finalize(reply),
+            Command::Execute(mut c) => {
+                let tx = self.ev_tx.clone();
+                c.wake = Some(
+                    c.abort
+                        .on_trigger(move || drop(tx.send((0, Report::WaitingAborted)))),
+                );
+                self.queue.push_back(Command::Execute(c));
+            }
             other => self.queue.push_back(other),
+        }
+    }
+
+    /// Answers every waiting task whose abort fired (queued, or waiting for a launch);
+    /// a launch nobody waits for any more is dropped.
+    pub(super) fn answer_aborted_waiting(&mut self) {
+        let aborted = |c: &ExecuteCmd| c.abort.is_triggered();
+        let mut answered = Vec::new();
+        let queue = std::mem::take(&mut self.queue);
+        for cmd in queue {
+            match cmd {
+                Command::Execute(c) if aborted(&c) => answered.push(c),
+                other => self.queue.push_back(other),
+            }
+        }
+        let mut take = |waiters: &mut Vec<Waiter>| {
+            for w in std::mem::take(waiters) {
+                match w {
+                    Waiter::Execute(c) if aborted(&c) => answered.push(c),
+                    other => waiters.push(other),
+                }
+            }
+        };
+        if let Some(p) = &mut self.pending {
+            take(&mut p.waiters);
+        }
+        if let Some(g) = &mut self.group
+            && let Phase::Starting { waiters, .. } = &mut g.phase
+        {
+            take(waiters);
+        }
+        if self.pending.as_ref().is_some_and(|p| p.waiters.is_empty()) {
+            // A late admission answer is released (see `on_admitted`).
+            self.pending = None;
+        }
+        for c in answered {
+            let _ = c.reply.send(Err(ExecuteError::Aborted {
+                task: c.task,
+                reason: c.abort.reason().unwrap_or_default(),
+                forced: false,
+            }));
         }
     }
 
@@ -302,6 +351,7 @@ impl Dispatcher {
         let report = match report {
             Report::AbortTask { task_id, reason } => return self.abort_task(task_id, reason),
             Report::Admitted { attempt, outcome } => return self.on_admitted(attempt, outcome),
+            Report::WaitingAborted => return self.answer_aborted_waiting(),
             other => other,
         };
         let current = self.group.as_ref().map(|g| g.generation);
@@ -317,7 +367,7 @@ impl Dispatcher {
             Report::Link { rank, ev } => self.on_link(rank, ev),
             Report::OutputClosed(src) => self.on_output_closed(src),
             Report::Packed { task_id, frames } => self.on_packed(task_id, frames),
-            Report::AbortTask { .. } | Report::Admitted { .. } => {}
+            Report::AbortTask { .. } | Report::Admitted { .. } | Report::WaitingAborted => {}
         }
     }
 

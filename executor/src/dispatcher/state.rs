@@ -63,6 +63,9 @@ pub(crate) struct ExecuteCmd {
     pub(crate) props: Props,
     pub(crate) abort: Signal,
     pub(crate) reply: Sender<Result<(Shareable, Props), ExecuteError>>,
+    /// Wakes the dispatcher when `abort` fires while the command waits (behind a task
+    /// or a launch), so it is answered at once; set by the dispatcher.
+    pub(crate) wake: Option<Subscription>,
 }
 
 pub(crate) struct EventCmd {
@@ -122,6 +125,8 @@ pub(crate) enum Report {
     },
     /// Every output pipe of a rank (or the launcher) has closed.
     OutputClosed(Source),
+    /// A waiting task's abort signal fired.
+    WaitingAborted,
     /// A task's frames, packed on the work thread.
     Packed {
         task_id: u64,

@@ -82,6 +82,7 @@ fn execute(d: &mut Dispatcher, abort: &Signal) -> ExecReply {
         props: Props::new(),
         abort: abort.clone(),
         reply,
+        wake: None,
     }));
     d.drain_queue();
     rx
@@ -302,4 +303,44 @@ fn finalize_while_a_task_is_packed_aborts_it_and_ignores_the_frames() {
     let (generation, late) = d.ev_rx.recv_timeout(Duration::from_secs(10)).unwrap();
     d.on_report(generation, late);
     assert!(d.task.is_none() && d.group.is_none());
+}
+
+#[test]
+fn a_queued_task_whose_abort_fires_is_answered_at_once() {
+    let mut d = dispatcher(2);
+    let generation = ready_group(&mut d);
+    let (running, _id) = sent_task(&mut d, &Signal::new());
+    let abort = Signal::new();
+    let queued = execute(&mut d, &abort);
+    assert_eq!(d.queue.len(), 1, "behind the running task");
+    abort.trigger("not needed any more");
+    pump(&mut d, |d| d.queue.is_empty());
+    assert!(matches!(
+        answer(&queued),
+        Err(ExecuteError::Aborted { forced: false, ref reason, .. }) if reason == "not needed any more"
+    ));
+    assert!(running.try_recv().is_err(), "the running task is untouched");
+    assert!(d.group.as_ref().is_some_and(|g| g.generation == generation));
+}
+
+#[test]
+fn a_task_waiting_for_a_launch_whose_abort_fires_drops_the_launch() {
+    let mut d = dispatcher(2);
+    // A relaunch after a failure waits out its back-off: no admission attempt yet.
+    d.consecutive_failures = 1;
+    let abort = Signal::new();
+    let rx = execute(&mut d, &abort);
+    assert!(
+        d.pending.as_ref().is_some_and(|p| !p.in_flight),
+        "the task waits for a launch"
+    );
+    abort.trigger("stop");
+    pump(&mut d, |d| d.pending.is_none());
+    assert!(matches!(
+        answer(&rx),
+        Err(ExecuteError::Aborted { forced: false, .. })
+    ));
+    // Past the back-off nothing launches.
+    d.on_timers(Instant::now() + Duration::from_secs(60));
+    assert!(d.group.is_none() && d.pending.is_none());
 }
