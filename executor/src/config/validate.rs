@@ -63,7 +63,7 @@ impl ExecutorConfig {
     }
 
     /// Checks everything that can be checked without looking at the machine (the worker
-    /// program is found by [`resolve_program`] when the executor is created).
+    /// program is found by [`resolve_program`](super::resolve_program) when the executor is created).
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.num_of_processes == 0 || self.num_of_processes > MAX_PROCESSES {
             return Err(ConfigError::new(
