@@ -7,13 +7,52 @@
 
 mod common;
 
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use common::*;
 use rankexec::executor::{ExecuteError, ExecutorConfig, MultiProcessExecutor, TransportConfig};
 use rankexec::protocol::{Blob, Shareable, Signal};
 
 const BIG: usize = 64 << 20;
+
+/// The signal to fire the moment the executor logs that a task's frames went out.
+static ARMED: Mutex<Option<Signal>> = Mutex::new(None);
+
+/// A log writer that fires [`ARMED`] on the dispatcher's "task sent" line: the abort
+/// then races the ranks' reading of the task as closely as it can.
+struct FireOnSend;
+
+impl std::io::Write for FireOnSend {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if String::from_utf8_lossy(buf).contains("task sent")
+            && let Some(s) = ARMED.lock().unwrap_or_else(|e| e.into_inner()).take()
+        {
+            s.trigger("controller asked");
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn install_fire_on_send() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("rankexec_executor=debug")
+        .with_ansi(false)
+        .with_writer(|| FireOnSend)
+        .try_init();
+}
+
+/// When a round's abort fires.
+#[derive(Clone, Copy, Debug)]
+enum When {
+    /// This long after the call.
+    After(Duration),
+    /// As the task's frames go out to the ranks.
+    OnSend,
+}
 
 fn big_input() -> Shareable {
     // `Bytes`-backed: cloning it per task is free, the executor packs it each time.
@@ -33,14 +72,15 @@ fn rank_log_lines(logs: &std::path::Path, ranks: u32, needle: &str) -> usize {
         .sum()
 }
 
-/// Runs `rounds` tasks on a 2-rank Sleep group, aborting each `delay(i)` after the
-/// call, and requires every abort to be cooperative with the group kept.
+/// Runs `rounds` tasks on a 2-rank Sleep group, aborting each at `when(i)`, and
+/// requires every abort to be cooperative with the group kept.
 fn every_abort_is_cooperative(
     cfg: ExecutorConfig,
     logs: &std::path::Path,
     rounds: u32,
-    delay: impl Fn(u32) -> Duration,
+    when: impl Fn(u32) -> When,
 ) {
+    install_fire_on_send();
     let ranks = cfg.num_of_processes;
     // Generous grace: a lost abort must not be hidden by a slow machine, and the test
     // waits on the result, never on this grace.
@@ -49,28 +89,51 @@ fn every_abort_is_cooperative(
     let pids = exec.live_pids();
     assert_eq!(pids.len(), ranks as usize);
     let input = big_input();
-    let mut dispatched = 0;
+    let mut on_send = 0;
     for i in 0..rounds {
-        let (abort, t) = abort_after(delay(i), "controller asked");
+        let (abort, t) = match when(i) {
+            When::After(d) => {
+                let (abort, t) = abort_after(d, "controller asked");
+                (abort, Some(t))
+            }
+            When::OnSend => {
+                on_send += 1;
+                let abort = Signal::new();
+                *ARMED.lock().unwrap() = Some(abort.clone());
+                (abort, None)
+            }
+        };
         let err = exec
             .run_task("train", input.clone(), &mut ctx, &abort)
             .unwrap_err();
-        t.join().unwrap();
+        if let Some(t) = t {
+            t.join().unwrap();
+        }
         assert!(
             matches!(&err, ExecuteError::Aborted { forced: false, reason, .. } if reason == "controller asked"),
-            "round {i} (abort after {:?}): {err:?}",
-            delay(i)
+            "round {i} (abort {:?}): {err:?}",
+            when(i)
         );
         assert_eq!(
             exec.live_pids(),
             pids,
             "round {i}: a cooperative abort keeps the group"
         );
+    }
+    // Every task aborted as its frames went out reached both ranks.
+    let t = Instant::now();
+    let mut dispatched = rank_log_lines(logs, ranks, "sleeping");
+    while dispatched < (on_send * ranks) as usize {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{dispatched} rank task starts, {on_send} rounds aborted on send"
+        );
+        std::thread::sleep(Duration::from_millis(10));
         dispatched = rank_log_lines(logs, ranks, "sleeping");
     }
     let early = rank_log_lines(logs, ranks, "arrived before the task started");
     println!(
-        "{rounds} aborts, all cooperative; rank task starts {dispatched} (of {} rank-rounds), aborts that reached a rank before its task started {early}",
+        "{rounds} aborts ({on_send} fired as the task was sent), all cooperative; rank task starts {dispatched} (of {} rank-rounds), aborts that reached a rank before its task started {early}",
         rounds * ranks
     );
     // A task that runs after all must still work on the same group.
@@ -99,9 +162,14 @@ fn abort_right_after_execute_with_64mib_local_is_cooperative() {
     let _serial = serial();
     let logs = tempfile::tempdir().unwrap();
     let cfg = sleep_config(logs.path());
-    // Delays from 0 to 11 ms, so aborts land before, while and after ranks receive.
+    // Half as the frames go out (racing the ranks' reading), half after 0 to 55 ms
+    // (before, while and after the input is packed and received).
     every_abort_is_cooperative(cfg, logs.path(), 24, |i| {
-        Duration::from_millis(u64::from(i % 12))
+        if i % 2 == 0 {
+            When::OnSend
+        } else {
+            When::After(Duration::from_millis(5 * u64::from(i / 2)))
+        }
     });
 }
 
@@ -117,6 +185,10 @@ fn abort_right_after_execute_with_64mib_over_tcp_is_cooperative() {
     // Inline over TCP: the 64 MiB take a while to write, and the Abort must not wait
     // behind them on the host nor be dropped by a rank still reading them.
     every_abort_is_cooperative(cfg, logs.path(), 8, |i| {
-        Duration::from_millis(2 + 4 * u64::from(i))
+        if i % 2 == 0 {
+            When::OnSend
+        } else {
+            When::After(Duration::from_millis(2 + 8 * u64::from(i)))
+        }
     });
 }
