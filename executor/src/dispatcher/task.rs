@@ -16,6 +16,9 @@ use crate::result::reduce;
 
 use super::state::*;
 
+/// Inputs with fewer blob bytes than this are packed on the dispatcher thread.
+const INLINE_PACK_BYTES: u64 = 64 << 10;
+
 impl Dispatcher {
     pub(super) fn cmd_execute(&mut self, c: ExecuteCmd) {
         if self.finalized {
@@ -64,17 +67,25 @@ impl Dispatcher {
             zero_copy_threshold: self.cfg.zero_copy_threshold.bytes(),
         };
         let generation = g.generation;
-        let tx = self.ev_tx.clone();
-        self.work.run(move || {
-            let frames = spec.pack();
-            let _ = tx.send((
-                generation,
-                Report::Packed {
-                    task_id: spec.task_id,
-                    frames,
-                },
-            ));
-        });
+        // Small inputs (no blob to copy into a memory file) are packed here: a hop to
+        // the work thread would cost more than the packing.
+        let inline = c.input.blob_bytes() < INLINE_PACK_BYTES;
+        let packed_here = if inline {
+            Some(spec.pack())
+        } else {
+            let tx = self.ev_tx.clone();
+            self.work.run(move || {
+                let frames = spec.pack();
+                let _ = tx.send((
+                    generation,
+                    Report::Packed {
+                        task_id: spec.task_id,
+                        frames,
+                    },
+                ));
+            });
+            None
+        };
         let tx = self.ev_tx.clone();
         let sub = c.abort.on_trigger({
             let abort = c.abort.clone();
@@ -100,6 +111,9 @@ impl Dispatcher {
             cmd: c,
             sent: None,
         });
+        if let Some(frames) = packed_here {
+            self.on_packed(id, frames);
+        }
     }
 
     /// The task's frames are packed: send them, unless the task ended meanwhile.

@@ -75,10 +75,14 @@ fn ready_group(d: &mut Dispatcher) -> u64 {
 }
 
 fn execute(d: &mut Dispatcher, abort: &Signal) -> ExecReply {
+    execute_with(d, abort, Shareable::new().with_meta("x", 1))
+}
+
+fn execute_with(d: &mut Dispatcher, abort: &Signal, input: Shareable) -> ExecReply {
     let (reply, rx) = bounded(1);
     d.on_command(Command::Execute(ExecuteCmd {
         task: "train".into(),
-        input: Shareable::new().with_meta("x", 1),
+        input,
         props: Props::new(),
         abort: abort.clone(),
         reply,
@@ -290,7 +294,9 @@ fn an_event_timeout_during_a_task_fails_both_and_stops_the_group() {
 fn finalize_while_a_task_is_packed_aborts_it_and_ignores_the_frames() {
     let mut d = dispatcher(2);
     ready_group(&mut d);
-    let rx = execute(&mut d, &Signal::new());
+    // Large enough to be packed on the work thread.
+    let input = Shareable::new().with_blob("model", vec![1u8; 1 << 20]);
+    let rx = execute_with(&mut d, &Signal::new(), input);
     assert!(d.task.as_ref().is_some_and(|t| t.sent.is_none()));
     let (reply, fin) = bounded(1);
     d.on_command(Command::Finalize { reply });
