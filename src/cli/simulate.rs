@@ -65,6 +65,7 @@ fn print_summary(s: &Summary, keys: &[String]) {
         JobStatus::Completed => "completed",
         JobStatus::Aborted => "aborted",
         JobStatus::Failed => "failed",
+        JobStatus::Interrupted => "interrupted",
     };
     println!("status: {status} in {:.2} s", s.seconds);
     if let Some(r) = &s.reason {
@@ -100,7 +101,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
     sim::logs::install(&workspace, level, Some(progress.multi()))
         .context("cannot set up logging")?;
     let abort = Signal::new();
-    rankexec::signals::install(abort.clone())?;
+    let interrupts = rankexec::signals::install(abort.clone())?;
     let opts = SimOptions {
         job: a.job.clone(),
         workspace: workspace.clone(),
@@ -124,12 +125,13 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let summary = sim::simulate(&job, &opts, &progress, &abort)?;
+    let summary = sim::simulate(&job, &opts, &progress, &abort, &interrupts)?;
     print_summary(&summary, &keys);
     println!("summary: {}", workspace.join("summary.json").display());
-    Ok(if summary.status == JobStatus::Completed {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
+    interrupts.done();
+    Ok(match summary.status {
+        JobStatus::Completed => ExitCode::SUCCESS,
+        JobStatus::Interrupted => ExitCode::from(130),
+        _ => ExitCode::FAILURE,
     })
 }

@@ -117,6 +117,8 @@ pub enum JobStatus {
     Aborted,
     /// A client failed and too few remained.
     Failed,
+    /// Interrupted twice (Ctrl-C or SIGTERM): every rank was killed at once.
+    Interrupted,
 }
 
 /// The controller's result.

@@ -116,6 +116,7 @@ pub fn simulate(
     opts: &SimOptions,
     progress: &Arc<Progress>,
     abort: &Signal,
+    interrupts: &crate::signals::Interrupts,
 ) -> Result<Summary, SimError> {
     let started = Instant::now();
     let n = opts.clients.or(job.meta.min_clients).unwrap_or(2);
@@ -166,9 +167,14 @@ pub fn simulate(
     if !leftover_pids.is_empty() {
         error!(?leftover_pids, "rank processes survived END_RUN");
     }
+    let status = if interrupts.killed() {
+        JobStatus::Interrupted
+    } else {
+        outcome.status
+    };
     let summary = Summary {
         job: job.meta.name.clone(),
-        status: outcome.status,
+        status,
         reason: outcome.reason,
         clients: names,
         rounds: outcome.rounds,
