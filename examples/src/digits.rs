@@ -33,6 +33,31 @@ pub mod defaults {
     }
 }
 
+/// Checks training hyper-parameters; the error names the argument, what it must be and
+/// what it was.
+pub fn check_hyper_parameters(
+    epochs: u32,
+    lr: f32,
+    batch_size: usize,
+    test_fraction: f64,
+) -> Result<(), String> {
+    if epochs == 0 {
+        return Err("epochs must be at least 1, got 0".into());
+    }
+    if !(lr.is_finite() && lr > 0.0) {
+        return Err(format!("lr must be a positive number, got {lr}"));
+    }
+    if batch_size == 0 {
+        return Err("batch_size must be at least 1, got 0".into());
+    }
+    if !(test_fraction > 0.0 && test_fraction < 1.0) {
+        return Err(format!(
+            "test_fraction must be between 0 and 1 (exclusive), got {test_fraction}"
+        ));
+    }
+    Ok(())
+}
+
 /// Features per sample.
 pub const FEATURES: usize = 64;
 /// Classes.

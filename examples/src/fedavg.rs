@@ -24,10 +24,30 @@ use serde::Deserialize;
 
 use crate::digits::{self, Data, Model, Partition, Rng};
 
-/// Arguments of `DigitsTrainer`.
+/// Arguments of `DigitsTrainer`, validated when they are read (so a job's loader and
+/// the worker's `--check-components` refuse `lr: -0.5` or `epochs: 0` with the file and
+/// the component's JSON path, before any rank starts).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "RawTrainerArgs")]
+pub struct TrainerArgs {
+    /// Local epochs per round (at least 1).
+    pub epochs: u32,
+    /// Learning rate (positive, finite).
+    pub lr: f32,
+    /// Mini-batch size (at least 1).
+    pub batch_size: usize,
+    /// How clients' data is split.
+    pub partition: Partition,
+    /// The seed of the train/test split (the same on every client).
+    pub seed: u64,
+    /// Share of the data held out for testing, in (0, 1).
+    pub test_fraction: f64,
+}
+
+/// The arguments as written, before their values are checked.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TrainerArgs {
+struct RawTrainerArgs {
     /// Local epochs per round.
     #[serde(default = "two")]
     pub epochs: u32,
@@ -52,6 +72,22 @@ fn two() -> u32 {
     2
 }
 
+impl TryFrom<RawTrainerArgs> for TrainerArgs {
+    type Error = String;
+
+    fn try_from(r: RawTrainerArgs) -> Result<Self, String> {
+        digits::check_hyper_parameters(r.epochs, r.lr, r.batch_size, r.test_fraction)?;
+        Ok(TrainerArgs {
+            epochs: r.epochs,
+            lr: r.lr,
+            batch_size: r.batch_size,
+            partition: r.partition,
+            seed: r.seed,
+            test_fraction: r.test_fraction,
+        })
+    }
+}
+
 /// The trainer.
 pub struct DigitsTrainer {
     args: TrainerArgs,
@@ -62,9 +98,6 @@ pub struct DigitsTrainer {
 impl DigitsTrainer {
     /// Loads the data set once per rank.
     pub fn new(args: TrainerArgs) -> Result<Self, ComponentError> {
-        if !(0.0..1.0).contains(&args.test_fraction) {
-            return Err(ComponentError::failed("test_fraction must be in [0, 1)"));
-        }
         let (train, test) = digits::load(args.seed, args.test_fraction);
         Ok(DigitsTrainer { args, train, test })
     }
