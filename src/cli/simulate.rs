@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::Args;
 use rankexec::protocol::Signal;
 use rankexec::server::JobStatus;
@@ -98,8 +97,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
     } else {
         LevelFilter::WARN
     };
-    sim::logs::install(&workspace, level, Some(progress.multi()))
-        .context("cannot set up logging")?;
+    sim::logs::install(&workspace, level, Some(progress.multi()))?;
     let abort = Signal::new();
     let interrupts = rankexec::signals::install(abort.clone())?;
     let opts = SimOptions {

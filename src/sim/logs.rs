@@ -128,17 +128,38 @@ impl Write for Console {
     }
 }
 
+/// Why the logs could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LogSetupError {
+    /// The job's log file could not be created.
+    #[error("cannot create the log file {path}")]
+    Create {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A global subscriber is already installed.
+    #[error("a logger is already installed")]
+    Installed(#[source] tracing_subscriber::util::TryInitError),
+}
+
 /// Installs the three destinations. `console` is the console's default level
 /// (`RANKEXEC_LOG`/`RUST_LOG` override it).
 pub fn install(
     workspace: &Path,
     console: LevelFilter,
     bars: Option<MultiProgress>,
-) -> std::io::Result<()> {
-    std::fs::create_dir_all(workspace)?;
-    let all = Arc::new(Mutex::new(LineWriter::new(File::create(
-        workspace.join("log.txt"),
-    )?)));
+) -> Result<(), LogSetupError> {
+    let path = workspace.join("log.txt");
+    let file = std::fs::create_dir_all(workspace)
+        .and_then(|()| File::create(&path))
+        .map_err(|source| LogSetupError::Create {
+            path: path.display().to_string(),
+            source,
+        })?;
+    let all = Arc::new(Mutex::new(LineWriter::new(file)));
     // Write errors are dropped, never reported with `eprintln!`: that panics (in whatever
     // thread was logging) when stderr is closed.
     let file_layer = fmt::layer()
@@ -166,7 +187,7 @@ pub fn install(
         .with(sites)
         .with(console_layer)
         .try_init()
-        .map_err(std::io::Error::other)
+        .map_err(LogSetupError::Installed)
 }
 
 struct AllWriter(Arc<Mutex<LineWriter<File>>>);

@@ -49,8 +49,27 @@ pub enum SimError {
     /// A client could not be built.
     #[error("cannot build the clients")]
     Client(#[from] ClientError),
-    /// The workspace could not be written.
-    #[error("workspace {path}")]
+    /// The workspace, or a part of its path, exists but is not a directory.
+    #[error("the workspace {path} cannot be a directory: {blocker} is not a directory")]
+    NotADirectory {
+        /// The workspace.
+        path: String,
+        /// The part of its path that exists and is not a directory.
+        blocker: String,
+    },
+    /// The workspace directory could not be created.
+    #[error("cannot create the workspace directory {path} in {parent}")]
+    CreateWorkspace {
+        /// The path.
+        path: String,
+        /// Its deepest existing ancestor, where the creation failed.
+        parent: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file or directory in the workspace could not be written or removed.
+    #[error("cannot write {path}")]
     Workspace {
         /// The path.
         path: String,
@@ -84,14 +103,33 @@ pub struct Summary {
     pub seconds: f64,
 }
 
-/// Removes what an earlier run left in the workspace (only what a run writes).
+/// Creates the workspace, or removes what an earlier run left in it (only what a run
+/// writes), and checks that it can be written. Each error names the path at fault.
 pub fn prepare_workspace(ws: &Path) -> Result<(), SimError> {
-    let err = |source| SimError::Workspace {
-        path: ws.display().to_string(),
-        source,
+    let err = |p: &Path| {
+        let path = p.display().to_string();
+        move |source| SimError::Workspace { path, source }
     };
-    std::fs::create_dir_all(ws).map_err(err)?;
-    for entry in std::fs::read_dir(ws).map_err(err)?.flatten() {
+    // The deepest part of the path that exists says what is wrong with it.
+    let existing = ws
+        .ancestors()
+        .find(|a| a.as_os_str().is_empty() || a.exists());
+    if let Some(e) = existing.filter(|e| !e.as_os_str().is_empty() && !e.is_dir()) {
+        return Err(SimError::NotADirectory {
+            path: ws.display().to_string(),
+            blocker: e.display().to_string(),
+        });
+    }
+    std::fs::create_dir_all(ws).map_err(|source| SimError::CreateWorkspace {
+        path: ws.display().to_string(),
+        parent: existing
+            .filter(|e| !e.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .display()
+            .to_string(),
+        source,
+    })?;
+    for entry in std::fs::read_dir(ws).map_err(err(ws))?.flatten() {
         let name = entry.file_name().to_string_lossy().to_string();
         let ours = name == "server"
             || name.starts_with("site-")
@@ -104,10 +142,13 @@ pub fn prepare_workspace(ws: &Path) -> Result<(), SimError> {
             } else {
                 std::fs::remove_file(&p)
             };
-            r.map_err(err)?;
+            r.map_err(err(&p))?;
         }
     }
-    Ok(())
+    // A read-only workspace is refused here, naming a file it could not create.
+    let probe = ws.join("summary.json");
+    std::fs::write(&probe, b"{}\n").map_err(err(&probe))?;
+    std::fs::remove_file(&probe).map_err(err(&probe))
 }
 
 /// Runs the job. `abort` is the job abort (Ctrl-C). Logging must be installed first.
