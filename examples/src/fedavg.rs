@@ -127,10 +127,19 @@ impl Executor for DigitsTrainer {
         let test = digits::client_share(&self.test, site, sites, Partition::Iid);
         let (val_acc, val_loss) = model.evaluate(&test);
         match task {
-            "validate" => Ok(Shareable::new()
-                .with_meta("accuracy", val_acc)
-                .with_meta("loss", val_loss)
-                .with_meta("num_samples", test.len())),
+            "validate" => {
+                tracing::info!(
+                    site,
+                    accuracy = val_acc,
+                    loss = val_loss,
+                    samples = test.len(),
+                    "validated the global model"
+                );
+                Ok(Shareable::new()
+                    .with_meta("accuracy", val_acc)
+                    .with_meta("loss", val_loss)
+                    .with_meta("num_samples", test.len()))
+            }
             "train" => {
                 let mine = digits::rank_share(
                     &digits::client_share(&self.train, site, sites, self.args.partition),
@@ -145,6 +154,15 @@ impl Executor for DigitsTrainer {
                 let round = input.meta("round").and_then(Value::as_i64).unwrap_or(0) as u64;
                 let mut rng =
                     Rng::new(self.args.seed ^ (round << 32) ^ ((site as u64) << 16) ^ rank as u64);
+                tracing::info!(
+                    site,
+                    round,
+                    samples = mine.len(),
+                    epochs = self.args.epochs,
+                    lr = self.args.lr,
+                    val_accuracy = val_acc,
+                    "training"
+                );
                 let loss = model
                     .train(
                         &mine,
@@ -155,6 +173,7 @@ impl Executor for DigitsTrainer {
                         || abort.is_triggered(),
                     )
                     .ok_or_else(ComponentError::aborted)?;
+                tracing::info!(site, round, train_loss = loss, "trained");
                 Ok(model
                     .into_shareable(Shareable::new())
                     .with_meta("num_samples", mine.len())

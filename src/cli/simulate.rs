@@ -30,22 +30,40 @@ pub struct SimulateArgs {
     no_progress: bool,
 }
 
-fn print_summary(s: &Summary, keys: &[String]) {
+fn print_summary(s: &Summary) {
     println!();
-    let mut header = format!("{:>5}  {:>7}", "round", "clients");
-    for k in keys {
-        header.push_str(&format!("  {k:>14}"));
+    // The metrics the job reported, in the rounds kept.
+    let keys: std::collections::BTreeSet<&String> = s
+        .rounds
+        .iter()
+        .flat_map(|r| r.metrics.keys())
+        .filter(|k| k.as_str() != "clients")
+        .collect();
+    let earlier = s.rounds_run as usize - s.rounds.len().min(s.rounds_run as usize);
+    if earlier > 0 {
+        println!(
+            "(the last {} of {} rounds; every round is in {})",
+            s.rounds.len(),
+            s.rounds_run,
+            s.metrics_file.display()
+        );
     }
-    header.push_str(&format!("  {:>8}", "seconds"));
-    println!("{header}");
+    if !s.rounds.is_empty() {
+        let mut header = format!("{:>5}  {:>7}", "round", "clients");
+        for k in &keys {
+            header.push_str(&format!("  {k:>14}"));
+        }
+        header.push_str(&format!("  {:>8}", "seconds"));
+        println!("{header}");
+    }
     for r in &s.rounds {
         let mut line = format!(
             "{:>5}  {:>7}",
             r.round,
             r.metrics.get("clients").copied().unwrap_or(0.0)
         );
-        for k in keys {
-            match r.metrics.get(k) {
+        for k in &keys {
+            match r.metrics.get(*k) {
                 Some(v) => line.push_str(&format!("  {v:>14.4}")),
                 None => line.push_str(&format!("  {:>14}", "-")),
             }
@@ -85,13 +103,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         .clone()
         .unwrap_or_else(|| PathBuf::from("workspace").join(&job.meta.name));
     sim::prepare_workspace(&workspace)?;
-    let keys = vec![
-        "train_loss".to_owned(),
-        "val_accuracy".to_owned(),
-        "val_loss".to_owned(),
-        "accuracy".to_owned(),
-    ];
-    let progress = std::sync::Arc::new(Progress::new(!a.no_progress, keys.clone()));
+    let progress = std::sync::Arc::new(Progress::new(!a.no_progress));
     let level = if a.verbose {
         LevelFilter::INFO
     } else {
@@ -124,7 +136,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let summary = sim::simulate(&job, &opts, &progress, &abort, &interrupts)?;
-    print_summary(&summary, &keys);
+    print_summary(&summary);
     println!("summary: {}", workspace.join("summary.json").display());
     interrupts.done();
     Ok(match summary.status {

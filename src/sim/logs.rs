@@ -2,6 +2,10 @@
 //! `WORKSPACE/site-N/log.txt` with each site's own lines (every event inside a span that
 //! carries `site = ...`, which includes its executors' and ranks' output). Each rank's
 //! raw stdout and stderr are also in `WORKSPACE/site-N/<executor>/rank-R/`.
+//!
+//! A rank's line relayed by its executor (target `rankexec::rank`) already carries the
+//! rank's own timestamp and level: the files keep those and add none (a line the rank
+//! printed without them gets the host's).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -38,6 +42,42 @@ impl Visit for SiteField {
 
 struct Text(String);
 
+/// The message of an event, without its other fields.
+struct Message(String);
+
+impl Visit for Message {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.0 = value.to_owned();
+        }
+    }
+}
+
+/// Target of the executor's events that relay a rank's output line.
+const RANK_TARGET: &str = "rankexec::rank";
+
+/// Splits a rank's log line into its timestamp, level and the rest, when it has them
+/// (`2026-01-01T00:00:00.000000Z  INFO rank{rank=0}: ...`).
+fn split_stamped(line: &str) -> Option<(&str, &str, &str)> {
+    let (ts, rest) = line.split_once(' ')?;
+    let looks_like_time = ts.len() >= 20
+        && ts.as_bytes()[4] == b'-'
+        && ts.as_bytes()[10] == b'T'
+        && ts.ends_with('Z')
+        && ts.as_bytes()[..4].iter().all(u8::is_ascii_digit);
+    if !looks_like_time {
+        return None;
+    }
+    let rest = rest.trim_start();
+    let (level, rest) = rest.split_once(' ')?;
+    matches!(level, "TRACE" | "DEBUG" | "INFO" | "WARN" | "ERROR").then_some((ts, level, rest))
+}
+
 impl Visit for Text {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         if field.name() == "message" {
@@ -55,10 +95,11 @@ impl Visit for Text {
     }
 }
 
-/// Writes each site's events to its own file.
+/// Writes each site's events to its own file, and ranks' lines to the job's file too.
 struct SiteFiles {
     root: PathBuf,
     files: Mutex<HashMap<String, LineWriter<File>>>,
+    all: Arc<Mutex<LineWriter<File>>>,
 }
 
 impl<S> Layer<S> for SiteFiles
@@ -81,12 +122,27 @@ where
         }) else {
             return;
         };
-        let mut text = Text(String::new());
-        event.record(&mut text);
         let mut ts = String::new();
         let _ = fmt::time::SystemTime.format_time(&mut fmt::format::Writer::new(&mut ts));
         let meta = event.metadata();
-        let line = format!("{ts} {:>5} {}: {}\n", meta.level(), meta.target(), text.0);
+        let line = if meta.target() == RANK_TARGET {
+            let mut m = Message(String::new());
+            event.record(&mut m);
+            let (ts, level, rest) = split_stamped(&m.0)
+                .map(|(t, l, r)| (t.to_owned(), l.to_owned(), r.to_owned()))
+                .unwrap_or((ts, meta.level().to_string(), m.0.clone()));
+            let job_line = format!("{ts} {level:>5} {site}: {rest}\n");
+            let _ = self
+                .all
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .write_all(job_line.as_bytes());
+            format!("{ts} {level:>5} {rest}\n")
+        } else {
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            format!("{ts} {:>5} {}: {}\n", meta.level(), meta.target(), text.0)
+        };
         let mut files = self.files.lock().unwrap_or_else(PoisonError::into_inner);
         if !files.contains_key(&site) {
             let dir = self.root.join(&site);
@@ -162,11 +218,16 @@ pub fn install(
     let all = Arc::new(Mutex::new(LineWriter::new(file)));
     // Write errors are dropped, never reported with `eprintln!`: that panics (in whatever
     // thread was logging) when stderr is closed.
+    let job_file = all.clone();
     let file_layer = fmt::layer()
         .with_ansi(false)
         .log_internal_errors(false)
-        .with_writer(move || AllWriter(all.clone()))
-        .with_filter(LevelFilter::INFO);
+        .with_writer(move || AllWriter(job_file.clone()))
+        .with_filter(LevelFilter::INFO)
+        // Ranks' lines are written by `SiteFiles`, with their own timestamps.
+        .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.target() != RANK_TARGET
+        }));
     let console_filter = EnvFilter::try_from_env("RANKEXEC_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::default().add_directive(console.into()));
@@ -180,6 +241,7 @@ pub fn install(
     let sites = SiteFiles {
         root: workspace.to_owned(),
         files: Mutex::new(HashMap::new()),
+        all,
     }
     .with_filter(LevelFilter::INFO);
     tracing_subscriber::registry()
@@ -204,5 +266,25 @@ impl Write for AllWriter {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_stamped;
+
+    #[test]
+    fn a_rank_line_keeps_its_own_stamp() {
+        let line = "2026-11-23T16:42:38.201507Z  INFO rank{rank=0}: rank ready world_size=4";
+        assert_eq!(
+            split_stamped(line),
+            Some((
+                "2026-11-23T16:42:38.201507Z",
+                "INFO",
+                "rank{rank=0}: rank ready world_size=4"
+            ))
+        );
+        assert_eq!(split_stamped("epoch 1: loss 0.3"), None);
+        assert_eq!(split_stamped("2026-11-23T16:42:38Z NOTICE x"), None);
     }
 }

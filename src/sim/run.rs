@@ -3,7 +3,9 @@
 //! The server's controller and every client run here, each client hosting its
 //! executors (and so its rank groups) exactly as a deployed client would. The job ends
 //! with `END_RUN` on every client, whatever happened, and the simulator checks that no
-//! rank process is left before it writes `WORKSPACE/summary.json`.
+//! rank process is left before it writes `WORKSPACE/summary.json`. Every round's report
+//! is streamed to `WORKSPACE/metrics.jsonl`; the summary keeps the last rounds.
+//! Paths in the summary are absolute.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,10 +16,16 @@ use serde::Serialize;
 use tracing::{error, info};
 
 use super::client::SimClient;
+use super::metrics::MetricsLog;
 use super::progress::Progress;
 use crate::host::{ClientError, ClientRuntime, GroupGate};
 use crate::job::{Job, JobError};
 use crate::server::{FedClient, JobStatus, ModelPersistor, RoundReport, ScatterAndGather};
+
+/// `p` made absolute against the current directory (as it is when this runs).
+fn absolute(p: &Path) -> PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_owned())
+}
 
 /// What to simulate.
 #[derive(Debug, Clone)]
@@ -90,11 +98,15 @@ pub struct Summary {
     pub reason: Option<String>,
     /// The simulated sites.
     pub clients: Vec<String>,
-    /// Every round.
+    /// How many rounds ran.
+    pub rounds_run: u32,
+    /// The last rounds (at most [`KEEP_ROUNDS`](crate::server::scatter_gather::KEEP_ROUNDS)).
     pub rounds: Vec<RoundReport>,
+    /// Every round, one JSON object per line (absolute path).
+    pub metrics_file: PathBuf,
     /// The final model's metrics.
     pub final_metrics: Option<std::collections::BTreeMap<String, f64>>,
-    /// The final model's file.
+    /// The final model's file (absolute path).
     pub model: Option<PathBuf>,
     /// Rank processes still alive after END_RUN (always empty unless something is
     /// stuck in the kernel).
@@ -134,6 +146,7 @@ pub fn prepare_workspace(ws: &Path) -> Result<(), SimError> {
         let ours = name == "server"
             || name.starts_with("site-")
             || name == "summary.json"
+            || name == super::metrics::FILE
             || name == "log.txt";
         if ours {
             let p = entry.path();
@@ -188,7 +201,18 @@ pub fn simulate(
         .iter()
         .map(|c| c.clone() as Arc<dyn FedClient>)
         .collect();
-    let observer: Arc<dyn crate::server::Observer> = progress.clone();
+    let metrics = MetricsLog::create(&opts.workspace, progress.clone()).map_err(|source| {
+        SimError::Workspace {
+            path: opts
+                .workspace
+                .join(super::metrics::FILE)
+                .display()
+                .to_string(),
+            source,
+        }
+    })?;
+    let metrics_file = absolute(metrics.path());
+    let observer: Arc<dyn crate::server::Observer> = Arc::new(metrics);
     let outcome = controller.run(&fed, abort, &observer);
 
     // END_RUN everywhere, in parallel: every rank group is torn down.
@@ -218,9 +242,11 @@ pub fn simulate(
         status,
         reason: outcome.reason,
         clients: names,
+        rounds_run: outcome.rounds_run,
         rounds: outcome.rounds,
+        metrics_file,
         final_metrics: outcome.final_metrics,
-        model: model.filter(|p| p.exists()),
+        model: model.filter(|p| p.exists()).map(|p| absolute(&p)),
         leftover_pids,
         seconds: started.elapsed().as_secs_f64(),
     };
