@@ -137,7 +137,12 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
     }
     let summary = sim::simulate(&job, &opts, &progress, &abort, &interrupts)?;
     print_summary(&summary);
-    println!("summary: {}", workspace.join("summary.json").display());
+    println!(
+        "summary: {}",
+        std::path::absolute(workspace.join("summary.json"))
+            .unwrap_or_else(|_| workspace.join("summary.json"))
+            .display()
+    );
     interrupts.done();
     Ok(match summary.status {
         JobStatus::Completed => ExitCode::SUCCESS,
