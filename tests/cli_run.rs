@@ -66,6 +66,15 @@ fn run_works_without_a_built_worker_and_is_quiet() {
         "{stdout}"
     );
     assert_eq!(stderr, "", "nothing on stderr by default");
+    let logs = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("rank logs: "))
+        .unwrap_or_else(|| panic!("where the rank logs go: {stdout}"));
+    assert!(
+        logs.starts_with(&tmp.path().join("rankexec-run-").display().to_string())
+            && logs.ends_with(" (removed at exit unless a round fails)"),
+        "{logs}"
+    );
     // The temporary log directory is gone, and nothing went to a shared place.
     assert_eq!(entries(tmp.path()), Vec::<String>::new());
     assert_eq!(entries(&xdg.path().join("rankexec")), Vec::<String>::new());
@@ -78,6 +87,20 @@ fn run_works_without_a_built_worker_and_is_quiet() {
     assert!(out.status.success());
     assert!(stderr.contains("INFO"), "-v shows info lines: {stderr}");
     assert!(stderr.contains("rankexec-worker is not built"), "{stderr}");
+    let rank_line = stderr
+        .lines()
+        .find(|l| l.contains("rank{rank=0}: rank ready"))
+        .unwrap_or_else(|| panic!("the ranks' lines: {stderr}"));
+    assert_eq!(
+        rank_line.matches("INFO").count(),
+        1,
+        "one level: {rank_line}"
+    );
+    assert_eq!(
+        rank_line.matches("Z ").count(),
+        1,
+        "one timestamp: {rank_line}"
+    );
 }
 
 #[test]

@@ -126,6 +126,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
         cfg.log_dir = Some(dir.path().to_owned());
         temp_logs = Some(dir);
     }
+    if let Some(dir) = &cfg.log_dir {
+        let note = if temp_logs.is_some() {
+            " (removed at exit unless a round fails)"
+        } else {
+            ""
+        };
+        println!("rank logs: {}{note}", dir.display());
+    }
     let abort = Signal::new();
     let interrupts = rankexec::signals::install(abort.clone())?;
     let exec = MultiProcessExecutor::new(cfg)?;

@@ -23,6 +23,8 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{Layer, fmt};
 
+use crate::logging::{Message, RANK_TARGET, RankLines, split_stamped};
+
 struct Site(String);
 
 struct SiteField(Option<String>);
@@ -41,42 +43,6 @@ impl Visit for SiteField {
 }
 
 struct Text(String);
-
-/// The message of an event, without its other fields.
-struct Message(String);
-
-impl Visit for Message {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        if field.name() == "message" {
-            self.0 = format!("{value:?}");
-        }
-    }
-    fn record_str(&mut self, field: &Field, value: &str) {
-        if field.name() == "message" {
-            self.0 = value.to_owned();
-        }
-    }
-}
-
-/// Target of the executor's events that relay a rank's output line.
-const RANK_TARGET: &str = "rankexec::rank";
-
-/// Splits a rank's log line into its timestamp, level and the rest, when it has them
-/// (`2026-01-01T00:00:00.000000Z  INFO rank{rank=0}: ...`).
-fn split_stamped(line: &str) -> Option<(&str, &str, &str)> {
-    let (ts, rest) = line.split_once(' ')?;
-    let looks_like_time = ts.len() >= 20
-        && ts.as_bytes()[4] == b'-'
-        && ts.as_bytes()[10] == b'T'
-        && ts.ends_with('Z')
-        && ts.as_bytes()[..4].iter().all(u8::is_ascii_digit);
-    if !looks_like_time {
-        return None;
-    }
-    let rest = rest.trim_start();
-    let (level, rest) = rest.split_once(' ')?;
-    matches!(level, "TRACE" | "DEBUG" | "INFO" | "WARN" | "ERROR").then_some((ts, level, rest))
-}
 
 impl Visit for Text {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
@@ -126,7 +92,7 @@ where
         let _ = fmt::time::SystemTime.format_time(&mut fmt::format::Writer::new(&mut ts));
         let meta = event.metadata();
         let line = if meta.target() == RANK_TARGET {
-            let mut m = Message(String::new());
+            let mut m = Message::default();
             event.record(&mut m);
             let (ts, level, rest) = split_stamped(&m.0)
                 .map(|(t, l, r)| (t.to_owned(), l.to_owned(), r.to_owned()))
@@ -235,7 +201,9 @@ pub fn install(
     let console_layer = fmt::layer()
         .with_ansi(is_tty)
         .log_internal_errors(false)
-        .with_target(false)
+        .event_format(RankLines(
+            fmt::format().with_ansi(is_tty).with_target(false),
+        ))
         .with_writer(move || Console(bars.clone()))
         .with_filter(console_filter);
     let sites = SiteFiles {
@@ -266,25 +234,5 @@ impl Write for AllWriter {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .flush()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::split_stamped;
-
-    #[test]
-    fn a_rank_line_keeps_its_own_stamp() {
-        let line = "2026-11-23T16:42:38.201507Z  INFO rank{rank=0}: rank ready world_size=4";
-        assert_eq!(
-            split_stamped(line),
-            Some((
-                "2026-11-23T16:42:38.201507Z",
-                "INFO",
-                "rank{rank=0}: rank ready world_size=4"
-            ))
-        );
-        assert_eq!(split_stamped("epoch 1: loss 0.3"), None);
-        assert_eq!(split_stamped("2026-11-23T16:42:38Z NOTICE x"), None);
     }
 }
