@@ -197,6 +197,7 @@ fn start_sleepers(
             }
             _ => {
                 let _ = child.kill();
+                let _ = child.wait();
                 panic!("the group never reported its pids");
             }
         }
@@ -246,7 +247,8 @@ fn sigterm_with_sigint_ignored_aborts_cleanly() {
         tempfile::tempdir().unwrap(),
     );
     let cfg = sleeper_config(dir.path(), r#"{"secs": 600}"#, "2s");
-    let (mut child, pids, err) = start_sleepers(&cfg, tmp.path(), xdg.path(), true);
+    let (child, pids, err) = start_sleepers(&cfg, tmp.path(), xdg.path(), true);
+    let mut child = Reaper(child);
     assert_eq!(
         entries(&xdg.path().join("rankexec")).len(),
         1,
@@ -254,8 +256,8 @@ fn sigterm_with_sigint_ignored_aborts_cleanly() {
     );
     wait_task_started(tmp.path());
     let t = Instant::now();
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGTERM).unwrap();
-    let status = wait_exit(&mut child, Duration::from_secs(60));
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGTERM).unwrap();
+    let status = wait_exit(&mut child.0, Duration::from_secs(60));
     let stderr = err.text();
     eprintln!(
         "SIGTERM to exit: {:.1} ms, status {status:?}\nstderr: {stderr}",
@@ -290,9 +292,10 @@ fn second_ctrl_c_kills_every_rank_and_leaves_nothing() {
         r#"{"secs": 600, "ignore_abort": true, "ignore_sigterm": true}"#,
         "60s",
     );
-    let (mut child, pids, err) = start_sleepers(&cfg, tmp.path(), xdg.path(), false);
+    let (child, pids, err) = start_sleepers(&cfg, tmp.path(), xdg.path(), false);
+    let mut child = Reaper(child);
     wait_task_started(tmp.path());
-    let pid = Pid::from_raw(child.id() as i32);
+    let pid = Pid::from_raw(child.0.id() as i32);
     kill(pid, Sig::SIGINT).unwrap();
     // The second press once the first was seen.
     assert!(
@@ -302,7 +305,7 @@ fn second_ctrl_c_kills_every_rank_and_leaves_nothing() {
     );
     let t = Instant::now();
     kill(pid, Sig::SIGINT).unwrap();
-    let status = wait_exit(&mut child, Duration::from_secs(30));
+    let status = wait_exit(&mut child.0, Duration::from_secs(30));
     let gone = wait_gone(&pids, Duration::from_secs(5));
     eprintln!(
         "second Ctrl-C to exit: {:.1} ms, status {status:?}",

@@ -287,3 +287,16 @@ pub fn entries(dir: &Path) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// A child process that is killed and reaped when dropped (a failing test leaves no
+/// process behind; its process group goes with it when it leads one).
+pub struct Reaper(pub std::process::Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
