@@ -92,12 +92,12 @@ fn first_ctrl_c_aborts_cleanly() {
     job_with(job.path(), r#"{"secs": 600}"#, "2s");
     let ws = tempfile::tempdir().unwrap();
     let xdg = tempfile::tempdir().unwrap();
-    let mut child = spawn(job.path(), ws.path(), xdg.path());
-    let pids = wait_for_ranks(&mut child, ws.path());
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
-    let status = wait_exit(&mut child, Duration::from_secs(60));
+    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path()));
+    let pids = wait_for_ranks(&mut child.0, ws.path());
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
+    let status = wait_exit(&mut child.0, Duration::from_secs(60));
     let mut out = String::new();
-    for l in BufReader::new(child.stdout.take().unwrap()).lines() {
+    for l in BufReader::new(child.0.stdout.take().unwrap()).lines() {
         out.push_str(&l.unwrap());
         out.push('\n');
     }
@@ -125,20 +125,20 @@ fn second_ctrl_c_kills_at_once() {
     );
     let ws = tempfile::tempdir().unwrap();
     let xdg = tempfile::tempdir().unwrap();
-    let mut child = spawn(job.path(), ws.path(), xdg.path());
-    let pids = wait_for_ranks(&mut child, ws.path());
+    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path()));
+    let pids = wait_for_ranks(&mut child.0, ws.path());
     assert_eq!(
         entries(&xdg.path().join("rankexec")).len(),
         2,
         "two groups' run dirs"
     );
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
     let gone = wait_gone(&pids, Duration::from_secs(1));
     let killed = t.elapsed();
-    let status = wait_exit(&mut child, Duration::from_secs(30));
+    let status = wait_exit(&mut child.0, Duration::from_secs(30));
     eprintln!(
         "second Ctrl-C to every rank gone: {:.1} ms; to exit: {:.1} ms",
         killed.as_secs_f64() * 1e3,
