@@ -33,7 +33,8 @@ MPI_PACKAGES="libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev"
 have_libclang() {
     [ -n "${LIBCLANG_PATH:-}" ] && return 0
     ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so' && return 0
-    compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null
+    compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null \
+        || compgen -G '/usr/lib/llvm-*/lib/libclang-[0-9]*.so*' >/dev/null
 }
 have_mpi() {
     command -v mpicc >/dev/null && command -v mpirun >/dev/null && have_libclang
