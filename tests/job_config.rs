@@ -96,6 +96,21 @@ fn each_kind_of_error_names_file_path_and_expectation() {
         ),
         (
             CLIENT,
+            Box::new(|v| mpe_args(v)["components"][0]["args"]["lr"] = (-0.5).into()),
+            "app/config/config_fed_client.json: at executors[0].executor.args.components[0]: component `digits` (`DigitsTrainer`): invalid args: lr must be a positive number, got -0.5",
+        ),
+        (
+            CLIENT,
+            Box::new(|v| mpe_args(v)["components"][0]["args"]["epochs"] = 0.into()),
+            "app/config/config_fed_client.json: at executors[0].executor.args.components[0]: component `digits` (`DigitsTrainer`): invalid args: epochs must be at least 1, got 0",
+        ),
+        (
+            CLIENT,
+            Box::new(|v| mpe_args(v)["components"][0]["args"]["batch_size"] = 0.into()),
+            "app/config/config_fed_client.json: at executors[0].executor.args.components[0]: component `digits` (`DigitsTrainer`): invalid args: batch_size must be at least 1, got 0",
+        ),
+        (
+            CLIENT,
             Box::new(|v| mpe_args(v)["worker"]["program"] = "./missing-worker".into()),
             "app/config/config_fed_client.json: at executors[0].executor.args.worker.program: ",
         ),
@@ -127,6 +142,7 @@ fn each_kind_of_error_names_file_path_and_expectation() {
     ];
     for (file, edit, want) in cases {
         let err = load_edited(file, edit).unwrap_err().to_string();
+        eprintln!("{err}");
         assert!(err.starts_with(want), "\n got: {err}\nwant: {want}...");
     }
 }

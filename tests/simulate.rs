@@ -69,15 +69,35 @@ fn fedavg_reaches_its_accuracy() {
     let acc = s["final_metrics"]["accuracy"].as_f64().unwrap();
     assert!(acc >= 0.90, "final accuracy {acc}");
     assert_eq!(s["leftover_pids"], serde_json::json!([]));
-    assert!(ws.path().join("server/global_model.safetensors").exists());
+    // The model path is absolute; its tensors have their real shapes.
+    let model = PathBuf::from(s["model"].as_str().unwrap());
+    assert!(model.is_absolute(), "{}", model.display());
+    assert_eq!(model, ws.path().join("server/global_model.safetensors"));
+    let shapes = tensor_shapes(&model);
+    eprintln!("tensor shapes: {shapes}");
+    assert_eq!(shapes["weights"], serde_json::json!([10, 64]));
+    assert_eq!(shapes["bias"], serde_json::json!([10]));
+    // Each client's entry has its metrics and timing.
+    let site1 = &s["rounds"][4]["clients"]["site-1"];
+    eprintln!("round 5, site-1: {site1}");
+    assert_eq!(site1["status"], "ok");
+    assert!(site1["metrics"]["train_loss"].as_f64().is_some(), "{site1}");
+    assert!(site1["seconds"].as_f64().unwrap() > 0.0, "{site1}");
+    // Every round is in metrics.jsonl.
+    let metrics = std::fs::read_to_string(ws.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 5);
+    assert_eq!(
+        s["metrics_file"].as_str().unwrap(),
+        ws.path().join("metrics.jsonl").display().to_string()
+    );
     for site in ["site-1", "site-2"] {
         for r in 0..2 {
             let log = ws.path().join(format!("{site}/digits/rank-{r}/stderr.log"));
+            let text = std::fs::read_to_string(&log).unwrap();
+            assert!(text.contains("rank ready"), "{}", log.display());
             assert!(
-                std::fs::read_to_string(&log)
-                    .unwrap()
-                    .contains("rank ready"),
-                "{}",
+                text.contains("trained") && text.contains("train_loss="),
+                "the rank's own training lines: {}",
                 log.display()
             );
         }
@@ -86,8 +106,38 @@ fn fedavg_reaches_its_accuracy() {
             site_log.contains("rank group ready"),
             "{site}'s log has its executor's lines"
         );
+        let rank_line = site_log
+            .lines()
+            .find(|l| l.contains("rank{rank=0}") && l.contains("trained"))
+            .unwrap_or_else(|| panic!("{site}'s log has its ranks' lines"));
+        eprintln!("{site} log line: {rank_line}");
+        assert_eq!(
+            rank_line.matches("Z ").count(),
+            1,
+            "one timestamp: {rank_line}"
+        );
+        assert_eq!(
+            rank_line.matches("INFO").count(),
+            1,
+            "one level: {rank_line}"
+        );
     }
     assert!(processes_of(ws.path()).is_empty());
+}
+
+/// The `shape` of every tensor in a `.safetensors` header.
+fn tensor_shapes(path: &Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .map(|(k, v)| (k.clone(), v["shape"].clone()))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 #[test]

@@ -54,8 +54,10 @@ fn rank_pids(ws: &Path) -> Vec<u32> {
         .collect()
 }
 
-fn spawn(job: &Path, ws: &Path) -> std::process::Child {
+/// The simulator, with its own XDG_RUNTIME_DIR so its run directories are visible.
+fn spawn(job: &Path, ws: &Path, xdg: &Path) -> std::process::Child {
     Command::new(rankexec_bin())
+        .env("XDG_RUNTIME_DIR", xdg)
         .args(["simulate", "--no-progress", "-w"])
         .arg(ws)
         .arg(job)
@@ -89,12 +91,13 @@ fn first_ctrl_c_aborts_cleanly() {
     let job = tempfile::tempdir().unwrap();
     job_with(job.path(), r#"{"secs": 600}"#, "2s");
     let ws = tempfile::tempdir().unwrap();
-    let mut child = spawn(job.path(), ws.path());
-    let pids = wait_for_ranks(&mut child, ws.path());
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
-    let status = child.wait().unwrap();
+    let xdg = tempfile::tempdir().unwrap();
+    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path()));
+    let pids = wait_for_ranks(&mut child.0, ws.path());
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
+    let status = wait_exit(&mut child.0, Duration::from_secs(60));
     let mut out = String::new();
-    for l in BufReader::new(child.stdout.take().unwrap()).lines() {
+    for l in BufReader::new(child.0.stdout.take().unwrap()).lines() {
         out.push_str(&l.unwrap());
         out.push('\n');
     }
@@ -107,6 +110,7 @@ fn first_ctrl_c_aborts_cleanly() {
     for p in &pids {
         assert!(!pid_alive(*p), "rank {p} left behind");
     }
+    assert_eq!(entries(&xdg.path().join("rankexec")), Vec::<String>::new());
 }
 
 #[test]
@@ -120,19 +124,39 @@ fn second_ctrl_c_kills_at_once() {
         "60s",
     );
     let ws = tempfile::tempdir().unwrap();
-    let mut child = spawn(job.path(), ws.path());
-    let pids = wait_for_ranks(&mut child, ws.path());
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
+    let xdg = tempfile::tempdir().unwrap();
+    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path()));
+    let pids = wait_for_ranks(&mut child.0, ws.path());
+    assert_eq!(
+        entries(&xdg.path().join("rankexec")).len(),
+        2,
+        "two groups' run dirs"
+    );
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    kill(Pid::from_raw(child.id() as i32), Sig::SIGINT).unwrap();
-    let status = child.wait().unwrap();
+    kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
+    let gone = wait_gone(&pids, Duration::from_secs(1));
+    let killed = t.elapsed();
+    let status = wait_exit(&mut child.0, Duration::from_secs(30));
+    eprintln!(
+        "second Ctrl-C to every rank gone: {:.1} ms; to exit: {:.1} ms",
+        killed.as_secs_f64() * 1e3,
+        t.elapsed().as_secs_f64() * 1e3
+    );
     assert_eq!(status.code(), Some(130));
-    if let Err(alive) = wait_gone(&pids, Duration::from_secs(1)) {
+    if let Err(alive) = gone {
         panic!("ranks {alive:?} survived the second Ctrl-C");
     }
-    eprintln!(
-        "second Ctrl-C to every rank gone: {:.1} ms",
-        t.elapsed().as_secs_f64() * 1e3
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ws.path().join("summary.json")).expect("summary.json written"),
+    )
+    .unwrap();
+    eprintln!("summary status: {}", summary["status"]);
+    assert_eq!(summary["status"], "interrupted");
+    assert_eq!(
+        entries(&xdg.path().join("rankexec")),
+        Vec::<String>::new(),
+        "run directories left"
     );
 }

@@ -10,7 +10,7 @@
 //! `weights` and `bias`, which the executor's `gather` policy and the server's FedAvg
 //! can average.
 
-use rankexec_protocol::{Blob, ComponentError, Shareable};
+use rankexec_protocol::{Blob, ComponentError, Shareable, Value};
 
 /// Default training hyper-parameters shared by the trainers' JSON arguments
 /// (`#[serde(default = "digits::defaults::lr")]`).
@@ -31,6 +31,31 @@ pub mod defaults {
     pub fn test_fraction() -> f64 {
         0.2
     }
+}
+
+/// Checks training hyper-parameters; the error names the argument, what it must be and
+/// what it was.
+pub fn check_hyper_parameters(
+    epochs: u32,
+    lr: f32,
+    batch_size: usize,
+    test_fraction: f64,
+) -> Result<(), String> {
+    if epochs == 0 {
+        return Err("epochs must be at least 1, got 0".into());
+    }
+    if !(lr.is_finite() && lr > 0.0) {
+        return Err(format!("lr must be a positive number, got {lr}"));
+    }
+    if batch_size == 0 {
+        return Err("batch_size must be at least 1, got 0".into());
+    }
+    if !(test_fraction > 0.0 && test_fraction < 1.0) {
+        return Err(format!(
+            "test_fraction must be between 0 and 1 (exclusive), got {test_fraction}"
+        ));
+    }
+    Ok(())
 }
 
 /// Features per sample.
@@ -194,10 +219,16 @@ impl Model {
         }
     }
 
-    /// Puts `weights` and `bias` into a shareable.
+    /// Puts `weights` and `bias` into a shareable, with their shapes (`[10, 64]` and
+    /// `[10]`) in meta `tensor_shapes`, which the server's model persistor writes.
     pub fn into_shareable(&self, s: Shareable) -> Shareable {
+        let mut shapes = std::collections::BTreeMap::new();
+        let dims = |d: &[usize]| Value::List(d.iter().map(|x| Value::Int(*x as i64)).collect());
+        shapes.insert("weights".to_owned(), dims(&[CLASSES, FEATURES]));
+        shapes.insert("bias".to_owned(), dims(&[CLASSES]));
         s.with_blob("weights", Blob::from(bytes(&self.w)))
             .with_blob("bias", Blob::from(bytes(&self.b)))
+            .with_meta("tensor_shapes", Value::Map(shapes))
     }
 
     fn logits(&self, x: &[f32], out: &mut [f32; CLASSES]) {

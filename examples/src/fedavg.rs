@@ -24,10 +24,30 @@ use serde::Deserialize;
 
 use crate::digits::{self, Data, Model, Partition, Rng};
 
-/// Arguments of `DigitsTrainer`.
+/// Arguments of `DigitsTrainer`, validated when they are read (so a job's loader and
+/// the worker's `--check-components` refuse `lr: -0.5` or `epochs: 0` with the file and
+/// the component's JSON path, before any rank starts).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "RawTrainerArgs")]
+pub struct TrainerArgs {
+    /// Local epochs per round (at least 1).
+    pub epochs: u32,
+    /// Learning rate (positive, finite).
+    pub lr: f32,
+    /// Mini-batch size (at least 1).
+    pub batch_size: usize,
+    /// How clients' data is split.
+    pub partition: Partition,
+    /// The seed of the train/test split (the same on every client).
+    pub seed: u64,
+    /// Share of the data held out for testing, in (0, 1).
+    pub test_fraction: f64,
+}
+
+/// The arguments as written, before their values are checked.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TrainerArgs {
+struct RawTrainerArgs {
     /// Local epochs per round.
     #[serde(default = "two")]
     pub epochs: u32,
@@ -52,6 +72,22 @@ fn two() -> u32 {
     2
 }
 
+impl TryFrom<RawTrainerArgs> for TrainerArgs {
+    type Error = String;
+
+    fn try_from(r: RawTrainerArgs) -> Result<Self, String> {
+        digits::check_hyper_parameters(r.epochs, r.lr, r.batch_size, r.test_fraction)?;
+        Ok(TrainerArgs {
+            epochs: r.epochs,
+            lr: r.lr,
+            batch_size: r.batch_size,
+            partition: r.partition,
+            seed: r.seed,
+            test_fraction: r.test_fraction,
+        })
+    }
+}
+
 /// The trainer.
 pub struct DigitsTrainer {
     args: TrainerArgs,
@@ -62,9 +98,6 @@ pub struct DigitsTrainer {
 impl DigitsTrainer {
     /// Loads the data set once per rank.
     pub fn new(args: TrainerArgs) -> Result<Self, ComponentError> {
-        if !(0.0..1.0).contains(&args.test_fraction) {
-            return Err(ComponentError::failed("test_fraction must be in [0, 1)"));
-        }
         let (train, test) = digits::load(args.seed, args.test_fraction);
         Ok(DigitsTrainer { args, train, test })
     }
@@ -94,10 +127,19 @@ impl Executor for DigitsTrainer {
         let test = digits::client_share(&self.test, site, sites, Partition::Iid);
         let (val_acc, val_loss) = model.evaluate(&test);
         match task {
-            "validate" => Ok(Shareable::new()
-                .with_meta("accuracy", val_acc)
-                .with_meta("loss", val_loss)
-                .with_meta("num_samples", test.len())),
+            "validate" => {
+                tracing::info!(
+                    site,
+                    accuracy = val_acc,
+                    loss = val_loss,
+                    samples = test.len(),
+                    "validated the global model"
+                );
+                Ok(Shareable::new()
+                    .with_meta("accuracy", val_acc)
+                    .with_meta("loss", val_loss)
+                    .with_meta("num_samples", test.len()))
+            }
             "train" => {
                 let mine = digits::rank_share(
                     &digits::client_share(&self.train, site, sites, self.args.partition),
@@ -112,6 +154,15 @@ impl Executor for DigitsTrainer {
                 let round = input.meta("round").and_then(Value::as_i64).unwrap_or(0) as u64;
                 let mut rng =
                     Rng::new(self.args.seed ^ (round << 32) ^ ((site as u64) << 16) ^ rank as u64);
+                tracing::info!(
+                    site,
+                    round,
+                    samples = mine.len(),
+                    epochs = self.args.epochs,
+                    lr = self.args.lr,
+                    val_accuracy = val_acc,
+                    "training"
+                );
                 let loss = model
                     .train(
                         &mine,
@@ -122,6 +173,7 @@ impl Executor for DigitsTrainer {
                         || abort.is_triggered(),
                     )
                     .ok_or_else(ComponentError::aborted)?;
+                tracing::info!(site, round, train_loss = loss, "trained");
                 Ok(model
                     .into_shareable(Shareable::new())
                     .with_meta("num_samples", mine.len())

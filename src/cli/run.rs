@@ -2,14 +2,24 @@
 //!
 //! Useful to try a worker program and its components, and to watch the group's
 //! lifecycle: `rankexec run -n 4 --component Echo --rounds 3`.
+//!
+//! - The rank program defaults to `rankexec-worker` next to this binary; when that is
+//!   not built, this binary's own `worker` subcommand runs the ranks.
+//! - Rank logs go to `--log-dir`, else to a private temporary directory (0700, under
+//!   `$TMPDIR`) that is removed at exit unless a round failed; the path is printed.
+//! - Ctrl-C or SIGTERM: the first aborts the task and stops the group (exit 130), a
+//!   second kills every rank at once (see [`rankexec::signals`]).
+//! - The console shows warnings only; `-v` adds info lines, `-vv` debug lines.
 
 use std::io::Write as _;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context as _;
 use clap::Args;
+use rankexec::executor::config::resolve_program;
 use rankexec::executor::{ExecutorConfig, MultiProcessExecutor};
 use rankexec::protocol::{
     EventType, FlComponent, FlContext, Shareable, Signal, Value, error_chain,
@@ -29,9 +39,13 @@ pub struct RunArgs {
     /// A whole executor configuration (JSON), instead of --ranks/--component/--args.
     #[arg(long, conflicts_with_all = ["component", "args"])]
     config: Option<PathBuf>,
-    /// The worker program (default: rankexec-worker next to this binary).
+    /// The worker program (default: rankexec-worker next to this binary, else this
+    /// binary's own `worker` subcommand).
     #[arg(long)]
     worker: Option<String>,
+    /// An argument for the worker program (repeat for more).
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
     /// The task name.
     #[arg(long, default_value = "task")]
     task: String,
@@ -41,16 +55,46 @@ pub struct RunArgs {
     /// How many times to run the task.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
-    /// Where rank logs go.
+    /// Where rank logs go (kept). Default: a private temporary directory, removed at
+    /// exit unless a round failed.
     #[arg(long)]
     log_dir: Option<PathBuf>,
     /// Print `pids: P1 P2 ...` once the group is ready.
     #[arg(long)]
     print_pids: bool,
+    /// More console output: `-v` info, `-vv` debug (default: warnings only).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+/// The default program when it is not built: this binary in rank mode.
+fn choose_worker(cfg: &mut ExecutorConfig, a: &RunArgs) -> anyhow::Result<()> {
+    if let Some(w) = &a.worker {
+        cfg.worker.program = w.clone();
+        cfg.worker.args = a.worker_args.clone();
+        return Ok(());
+    }
+    if !a.worker_args.is_empty() {
+        cfg.worker.args = a.worker_args.clone();
+    }
+    if cfg.worker.program == "rankexec-worker" && resolve_program(&cfg.worker.program).is_err() {
+        let me = std::env::current_exe().context("cannot find this program's path")?;
+        tracing::info!(
+            program = %me.display(),
+            "rankexec-worker is not built; ranks run `rankexec worker`"
+        );
+        cfg.worker.program = me.display().to_string();
+        cfg.worker.args = vec!["worker".to_owned()];
+    }
+    Ok(())
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
-    rankexec::logging::init("info");
+    rankexec::logging::init(match a.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    });
     let mut cfg: ExecutorConfig = match &a.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -66,26 +110,96 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             c
         }
     };
-    if let Some(w) = &a.worker {
-        cfg.worker.program = w.clone();
-    }
-    if a.log_dir.is_some() {
-        cfg.log_dir = a.log_dir.clone();
-    }
+    choose_worker(&mut cfg, &a)?;
     let meta: serde_json::Value =
         serde_json::from_str(&a.meta).context("--meta must be a JSON object")?;
+    // A private temporary directory unless the user chose one (or the config did).
+    let mut temp_logs = None;
+    if a.log_dir.is_some() {
+        cfg.log_dir = a.log_dir.clone();
+    } else if cfg.log_dir.is_none() {
+        let dir = tempfile::Builder::new()
+            .prefix("rankexec-run-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
+            .tempdir()
+            .context("cannot create a temporary directory for rank logs")?;
+        cfg.log_dir = Some(dir.path().to_owned());
+        temp_logs = Some(dir);
+    }
+    if let Some(dir) = &cfg.log_dir {
+        let note = if temp_logs.is_some() {
+            " (removed at exit unless a round fails)"
+        } else {
+            ""
+        };
+        println!("rank logs: {}{note}", dir.display());
+    }
+    let abort = Signal::new();
+    let interrupts = rankexec::signals::install(abort.clone())?;
     let exec = MultiProcessExecutor::new(cfg)?;
     let mut ctx = FlContext::new();
     let t = Instant::now();
-    exec.handle_event(&EventType::START_RUN, &mut ctx)?;
-    println!("group ready in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
-    if a.print_pids {
-        let pids: Vec<String> = exec.live_pids().iter().map(u32::to_string).collect();
-        println!("pids: {}", pids.join(" "));
-        std::io::stdout().flush()?;
-    }
+    let started = exec.handle_event(&EventType::START_RUN, &mut ctx);
     let mut code = ExitCode::SUCCESS;
+    let mut failed = false;
+    match started {
+        Ok(()) => {
+            println!("group ready in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+            if a.print_pids {
+                let pids: Vec<String> = exec.live_pids().iter().map(u32::to_string).collect();
+                println!("pids: {}", pids.join(" "));
+            }
+            std::io::stdout().flush()?;
+            failed = run_rounds(&exec, &a, &meta, &mut ctx, &abort);
+        }
+        Err(e) if !abort.is_triggered() => {
+            println!("start-up failed: {}", error_chain(&e));
+            failed = true;
+        }
+        Err(_) => {}
+    }
+    if failed {
+        code = ExitCode::FAILURE;
+    }
+    let t = Instant::now();
+    if let Err(e) = exec.handle_event(&EventType::END_RUN, &mut ctx) {
+        println!("stopping the group failed: {}", error_chain(&e));
+        code = ExitCode::FAILURE;
+    } else {
+        println!("group stopped in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+    }
+    // The group's run directory goes with the executor.
+    drop(exec);
+    match temp_logs {
+        Some(dir) if failed => {
+            println!("rank logs kept in {}", dir.keep().display());
+        }
+        Some(dir) => {
+            let _ = dir.close();
+        }
+        None => {}
+    }
+    if abort.is_triggered() {
+        println!("interrupted");
+        code = ExitCode::from(130);
+    }
+    interrupts.done();
+    Ok(code)
+}
+
+/// Runs every round; returns whether one failed (an interruption is not a failure).
+fn run_rounds(
+    exec: &MultiProcessExecutor,
+    a: &RunArgs,
+    meta: &serde_json::Value,
+    ctx: &mut FlContext,
+    abort: &Signal,
+) -> bool {
+    let mut failed = false;
     for round in 0..a.rounds {
+        if abort.is_triggered() {
+            break;
+        }
         let mut input = Shareable::new().with_meta("round", round);
         if let Some(obj) = meta.as_object() {
             for (k, v) in obj {
@@ -93,7 +207,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
             }
         }
         let t = Instant::now();
-        match exec.run_task(&a.task, input, &mut ctx, &Signal::new()) {
+        match exec.run_task(&a.task, input, ctx, abort) {
             Ok(out) => {
                 let meta: serde_json::Map<String, serde_json::Value> = out
                     .meta_map()
@@ -106,6 +220,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                     serde_json::Value::Object(meta)
                 );
             }
+            Err(_) if abort.is_triggered() => {
+                println!("round {round}: interrupted");
+            }
             Err(e) => {
                 let mut text = format!("round {round}: failed: {}", error_chain(&e));
                 if let Some(f) = e.root_cause() {
@@ -113,12 +230,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<ExitCode> {
                     text.push_str(&f.report());
                 }
                 println!("{text}");
-                code = ExitCode::FAILURE;
+                failed = true;
             }
         }
+        let _ = std::io::stdout().flush();
     }
-    let t = Instant::now();
-    exec.handle_event(&EventType::END_RUN, &mut ctx)?;
-    println!("group stopped in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
-    Ok(code)
+    failed
 }

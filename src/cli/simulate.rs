@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::Args;
 use rankexec::protocol::Signal;
 use rankexec::server::JobStatus;
@@ -31,22 +30,40 @@ pub struct SimulateArgs {
     no_progress: bool,
 }
 
-fn print_summary(s: &Summary, keys: &[String]) {
+fn print_summary(s: &Summary) {
     println!();
-    let mut header = format!("{:>5}  {:>7}", "round", "clients");
-    for k in keys {
-        header.push_str(&format!("  {k:>14}"));
+    // The metrics the job reported, in the rounds kept.
+    let keys: std::collections::BTreeSet<&String> = s
+        .rounds
+        .iter()
+        .flat_map(|r| r.metrics.keys())
+        .filter(|k| k.as_str() != "clients")
+        .collect();
+    let earlier = s.rounds_run as usize - s.rounds.len().min(s.rounds_run as usize);
+    if earlier > 0 {
+        println!(
+            "(the last {} of {} rounds; every round is in {})",
+            s.rounds.len(),
+            s.rounds_run,
+            s.metrics_file.display()
+        );
     }
-    header.push_str(&format!("  {:>8}", "seconds"));
-    println!("{header}");
+    if !s.rounds.is_empty() {
+        let mut header = format!("{:>5}  {:>7}", "round", "clients");
+        for k in &keys {
+            header.push_str(&format!("  {k:>14}"));
+        }
+        header.push_str(&format!("  {:>8}", "seconds"));
+        println!("{header}");
+    }
     for r in &s.rounds {
         let mut line = format!(
             "{:>5}  {:>7}",
             r.round,
             r.metrics.get("clients").copied().unwrap_or(0.0)
         );
-        for k in keys {
-            match r.metrics.get(k) {
+        for k in &keys {
+            match r.metrics.get(*k) {
                 Some(v) => line.push_str(&format!("  {v:>14.4}")),
                 None => line.push_str(&format!("  {:>14}", "-")),
             }
@@ -65,6 +82,7 @@ fn print_summary(s: &Summary, keys: &[String]) {
         JobStatus::Completed => "completed",
         JobStatus::Aborted => "aborted",
         JobStatus::Failed => "failed",
+        JobStatus::Interrupted => "interrupted",
     };
     println!("status: {status} in {:.2} s", s.seconds);
     if let Some(r) = &s.reason {
@@ -85,22 +103,15 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
         .clone()
         .unwrap_or_else(|| PathBuf::from("workspace").join(&job.meta.name));
     sim::prepare_workspace(&workspace)?;
-    let keys = vec![
-        "train_loss".to_owned(),
-        "val_accuracy".to_owned(),
-        "val_loss".to_owned(),
-        "accuracy".to_owned(),
-    ];
-    let progress = std::sync::Arc::new(Progress::new(!a.no_progress, keys.clone()));
+    let progress = std::sync::Arc::new(Progress::new(!a.no_progress));
     let level = if a.verbose {
         LevelFilter::INFO
     } else {
         LevelFilter::WARN
     };
-    sim::logs::install(&workspace, level, Some(progress.multi()))
-        .context("cannot set up logging")?;
+    sim::logs::install(&workspace, level, Some(progress.multi()))?;
     let abort = Signal::new();
-    rankexec::signals::install(abort.clone())?;
+    let interrupts = rankexec::signals::install(abort.clone())?;
     let opts = SimOptions {
         job: a.job.clone(),
         workspace: workspace.clone(),
@@ -124,12 +135,18 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let summary = sim::simulate(&job, &opts, &progress, &abort)?;
-    print_summary(&summary, &keys);
-    println!("summary: {}", workspace.join("summary.json").display());
-    Ok(if summary.status == JobStatus::Completed {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
+    let summary = sim::simulate(&job, &opts, &progress, &abort, &interrupts)?;
+    print_summary(&summary);
+    println!(
+        "summary: {}",
+        std::path::absolute(workspace.join("summary.json"))
+            .unwrap_or_else(|_| workspace.join("summary.json"))
+            .display()
+    );
+    interrupts.done();
+    Ok(match summary.status {
+        JobStatus::Completed => ExitCode::SUCCESS,
+        JobStatus::Interrupted => ExitCode::from(130),
+        _ => ExitCode::FAILURE,
     })
 }

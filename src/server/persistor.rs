@@ -1,15 +1,37 @@
 //! Writes the global model after every round, as `.safetensors` (a JSON header and the
 //! raw tensors; Python's `safetensors` and PyTorch read it directly).
 //!
-//! Every blob becomes a one-dimensional `F32` tensor when its length is a multiple of
-//! four, else a `U8` tensor; the round and the job name go into `__metadata__`. The file
-//! is written to a temporary name and renamed, so a reader never sees half a model.
+//! Every blob becomes an `F32` tensor when its length is a multiple of four, else a `U8`
+//! tensor. Its shape is the one the model declares in its [`TENSOR_SHAPES`] metadata
+//! (`{"weights": [10, 64]}`, which the trainer sets and the controller carries into the
+//! global model) when that matches the blob's size, else one-dimensional. The round
+//! and the job name go into `__metadata__`. The file is written to a temporary name and
+//! renamed, so a reader never sees half a model.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
-use rankexec_protocol::Shareable;
+use rankexec_protocol::{Shareable, Value};
+
+/// The metadata key under which a model declares its tensors' shapes: a map from blob
+/// name to a list of dimensions.
+pub const TENSOR_SHAPES: &str = "tensor_shapes";
+
+/// The declared shape of `name`, if it has one that fits `elements`.
+fn declared_shape(model: &Shareable, name: &str, elements: usize) -> Option<Vec<u64>> {
+    let Some(Value::Map(shapes)) = model.meta(TENSOR_SHAPES) else {
+        return None;
+    };
+    let Some(Value::List(dims)) = shapes.get(name) else {
+        return None;
+    };
+    let dims: Option<Vec<u64>> = dims
+        .iter()
+        .map(|d| d.as_i64().and_then(|d| u64::try_from(d).ok()))
+        .collect();
+    dims.filter(|d| d.iter().product::<u64>() == elements as u64)
+}
 
 /// Writes the model after each round.
 #[derive(Debug, Clone)]
@@ -40,14 +62,15 @@ impl ModelPersistor {
         );
         let mut offset = 0usize;
         for (name, blob) in model.blobs() {
-            let (dtype, shape) = if blob.len() % 4 == 0 {
+            let (dtype, elements) = if blob.len() % 4 == 0 {
                 ("F32", blob.len() / 4)
             } else {
                 ("U8", blob.len())
             };
+            let shape = declared_shape(model, name, elements).unwrap_or(vec![elements as u64]);
             header.insert(
                 name.clone(),
-                serde_json::json!({"dtype": dtype, "shape": [shape], "data_offsets": [offset, offset + blob.len()]}),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + blob.len()]}),
             );
             offset += blob.len();
         }
@@ -126,5 +149,35 @@ mod tests {
         let (meta, back) = load(p.path()).unwrap();
         assert_eq!(meta["round"], "3");
         assert_eq!(back, model);
+    }
+
+    /// The shape recorded in the file's header.
+    fn shape_of(path: &Path, name: &str) -> serde_json::Value {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        header[name]["shape"].clone()
+    }
+
+    #[test]
+    fn declared_shapes_are_kept_when_they_fit() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = ModelPersistor::new(dir.path().join("m.safetensors"));
+        let shapes = Value::from_json(&serde_json::json!({"w": [2, 3], "b": [4], "bad": [5]}));
+        let model = Shareable::new()
+            .with_blob("w", vec![0u8; 24])
+            .with_blob("b", vec![0u8; 16])
+            .with_blob("bad", vec![0u8; 8])
+            .with_blob("flat", vec![0u8; 8])
+            .with_meta(TENSOR_SHAPES, shapes);
+        p.save(&model, 1, "job").unwrap();
+        assert_eq!(shape_of(p.path(), "w"), serde_json::json!([2, 3]));
+        assert_eq!(shape_of(p.path(), "b"), serde_json::json!([4]));
+        assert_eq!(
+            shape_of(p.path(), "bad"),
+            serde_json::json!([2]),
+            "a wrong shape is not used"
+        );
+        assert_eq!(shape_of(p.path(), "flat"), serde_json::json!([2]));
     }
 }

@@ -6,6 +6,10 @@
 //! the round's metrics (the same weighted mean of every numeric result). After the last
 //! round it can run a validation task on the final model for the final metrics.
 //!
+//! Memory does not grow with the number of rounds: each round's report goes to the
+//! [`Observer`] (the simulator streams it to a JSON-lines file) and the outcome keeps
+//! only the last [`KEEP_ROUNDS`].
+//!
 //! Aborts, all ending with every client's rank groups torn down by the caller:
 //! - a client past `train_timeout` has its task aborted (its executor tells its ranks,
 //!   and kills them if they do not stop); the round goes on without it;
@@ -14,7 +18,7 @@
 //! - the job abort signal (Ctrl-C, or [`ScatterAndGather::run`]'s caller) aborts every
 //!   task in flight and ends the job as `aborted`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +28,7 @@ use rankexec_protocol::{ErrorClass, Shareable, Signal, Value};
 use serde::Serialize;
 use tracing::{info, warn};
 
-use super::persistor::ModelPersistor;
+use super::persistor::{ModelPersistor, TENSOR_SHAPES};
 use crate::job::model::ScatterAndGatherArgs;
 
 /// A global-model blob at least this large is built in sealed shared memory.
@@ -35,12 +39,20 @@ const SHARED_FROM: usize = 64 << 10;
 /// bounded well below this; an in-process executor that ignores its abort is not).
 const ABORT_WAIT: Duration = Duration::from_secs(120);
 
+/// How many of the last rounds an [`Outcome`] keeps.
+pub const KEEP_ROUNDS: usize = 10;
+
 /// How a client's task ended.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum TaskStatus {
     /// It returned a result.
-    Ok,
+    Ok {
+        /// The client's numeric results (its result's metadata).
+        metrics: BTreeMap<String, f64>,
+        /// How long the client took.
+        seconds: f64,
+    },
     /// It did not return within the timeout and was aborted.
     TimedOut {
         /// The timeout.
@@ -54,7 +66,18 @@ pub enum TaskStatus {
         class: String,
         /// The error.
         error: String,
+        /// How long the client took.
+        seconds: f64,
     },
+}
+
+/// The numeric metadata of a client's result (its metrics), `round` aside.
+fn client_metrics(s: &Shareable) -> BTreeMap<String, f64> {
+    s.meta_map()
+        .iter()
+        .filter(|(k, _)| k.as_str() != "round")
+        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+        .collect()
 }
 
 /// A client taking part in the job.
@@ -117,6 +140,8 @@ pub enum JobStatus {
     Aborted,
     /// A client failed and too few remained.
     Failed,
+    /// Interrupted twice (Ctrl-C or SIGTERM): every rank was killed at once.
+    Interrupted,
 }
 
 /// The controller's result.
@@ -126,7 +151,9 @@ pub struct Outcome {
     pub status: JobStatus,
     /// Why, when not completed.
     pub reason: Option<String>,
-    /// Every round that ran.
+    /// How many rounds ran (the last one included, even when it failed).
+    pub rounds_run: u32,
+    /// The last [`KEEP_ROUNDS`] rounds (every round went to the observer).
     pub rounds: Vec<RoundReport>,
     /// The final model's metrics (the validation task's weighted means).
     pub final_metrics: Option<BTreeMap<String, f64>>,
@@ -245,12 +272,19 @@ impl ScatterAndGather {
         while pending.iter().any(|p| *p) {
             let wait_until = hard_deadline.unwrap_or(deadline);
             match rx.recv_deadline(wait_until) {
-                Ok((i, r, _elapsed)) => {
+                Ok((i, r, elapsed)) => {
                     pending[i] = false;
                     let name = clients[i].name().to_owned();
+                    let seconds = elapsed.as_secs_f64();
                     match r {
                         Ok(s) => {
-                            statuses.insert(name.clone(), TaskStatus::Ok);
+                            statuses.insert(
+                                name.clone(),
+                                TaskStatus::Ok {
+                                    metrics: client_metrics(&s),
+                                    seconds,
+                                },
+                            );
                             ok.push((name, s));
                         }
                         Err(_) if timed_out[i] => {
@@ -271,6 +305,7 @@ impl ScatterAndGather {
                                 TaskStatus::Failed {
                                     class: class.to_string(),
                                     error,
+                                    seconds,
                                 },
                             );
                         }
@@ -325,7 +360,7 @@ impl ScatterAndGather {
         let mut failed = false;
         for (site, st) in &s.statuses {
             match st {
-                TaskStatus::Ok => {}
+                TaskStatus::Ok { .. } => {}
                 TaskStatus::TimedOut { after_secs } => parts.push(format!(
                     "{site}: task `{task}` timed out after {after_secs} s and was aborted"
                 )),
@@ -361,12 +396,13 @@ impl ScatterAndGather {
         obs: &Arc<dyn Observer>,
     ) -> Outcome {
         let mut global = Shareable::new();
-        let mut rounds = Vec::new();
+        let mut rounds = Rounds::default();
         let total = clients.len();
-        let ended = |status, reason, rounds, model| Outcome {
+        let ended = |status, reason, rounds: Rounds, model| Outcome {
             status,
             reason: Some(reason),
-            rounds,
+            rounds_run: rounds.run,
+            rounds: rounds.last.into(),
             final_metrics: None,
             model,
         };
@@ -388,12 +424,14 @@ impl ScatterAndGather {
             if job_abort.is_triggered() || s.ok.len() < self.args.min_clients as usize {
                 let (status, reason) =
                     self.too_few(round, &self.args.train_task, total, &s, job_abort);
-                rounds.push(RoundReport {
+                let report = RoundReport {
                     round,
                     clients: s.statuses,
                     metrics: BTreeMap::new(),
                     seconds: started.elapsed().as_secs_f64(),
-                });
+                };
+                obs.round_done(&report);
+                rounds.push(report);
                 return ended(status, reason, rounds, global);
             }
             let key = &self.args.aggregation_weight;
@@ -428,6 +466,10 @@ impl ScatterAndGather {
             for (name, bytes) in averaged {
                 next.set_blob(name, bytes);
             }
+            // The tensors' shapes, as the first client declared them, travel with the model.
+            if let Some(shapes) = s.ok[0].1.meta(TENSOR_SHAPES) {
+                next.set_meta(TENSOR_SHAPES, shapes.clone());
+            }
             global = next;
             if let Some(p) = &self.persistor
                 && let Err(e) = p.save(&global, round, &self.job)
@@ -461,23 +503,35 @@ impl ScatterAndGather {
             if job_abort.is_triggered() || s.ok.len() < self.args.min_clients as usize {
                 let (status, reason) =
                     self.too_few(self.args.num_rounds, task, total, &s, job_abort);
-                return Outcome {
-                    status,
-                    reason: Some(reason),
-                    rounds,
-                    final_metrics: None,
-                    model: global,
-                };
+                return ended(status, reason, rounds, global);
             }
             final_metrics = Some(weighted_metrics(&s.ok, "num_samples"));
         }
         Outcome {
             status: JobStatus::Completed,
             reason: None,
-            rounds,
+            rounds_run: rounds.run,
+            rounds: rounds.last.into(),
             final_metrics,
             model: global,
         }
+    }
+}
+
+/// The rounds an outcome keeps: a count and the last [`KEEP_ROUNDS`].
+#[derive(Default)]
+struct Rounds {
+    run: u32,
+    last: VecDeque<RoundReport>,
+}
+
+impl Rounds {
+    fn push(&mut self, r: RoundReport) {
+        self.run += 1;
+        if self.last.len() == KEEP_ROUNDS {
+            self.last.pop_front();
+        }
+        self.last.push_back(r);
     }
 }
 
@@ -547,7 +601,10 @@ mod tests {
             .expect("the job ended without the stuck client");
         assert_eq!(outcome.status, JobStatus::Completed, "{outcome:?}");
         let round = &outcome.rounds[0];
-        assert_eq!(round.clients["site-1"], TaskStatus::Ok);
+        assert!(
+            matches!(round.clients["site-1"], TaskStatus::Ok { .. }),
+            "{round:?}"
+        );
         assert!(
             matches!(round.clients["site-2"], TaskStatus::TimedOut { .. }),
             "{round:?}"

@@ -8,16 +8,16 @@
 use rankexec_protocol::error_chain as chain;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rankexec_protocol::{ErrorClass, Shareable, Signal};
+use rankexec_protocol::{ErrorClass, FireEventError, Shareable, Signal};
 
-use crate::host::{ClientRuntime, GroupGate};
+use crate::host::{ClientError, ClientRuntime, GroupGate};
 use crate::server::{ClientState, FedClient, Observer};
 
 /// One simulated site.
 pub struct SimClient {
     runtime: ClientRuntime,
     gate: Arc<GroupGate>,
-    started: Mutex<Option<Result<(), String>>>,
+    started: Mutex<Option<Result<(), (ErrorClass, String)>>>,
 }
 
 impl SimClient {
@@ -60,10 +60,10 @@ impl FedClient for SimClient {
         {
             let mut started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
             if started.is_none() {
-                *started = Some(self.runtime.start().map_err(|e| chain(&e)));
+                *started = Some(self.runtime.start().map_err(|e| start_failure(&e)));
             }
             if let Some(Err(e)) = started.as_ref() {
-                return Err((ErrorClass::Exception, e.clone()));
+                return Err(e.clone());
             }
         }
         let result = self.runtime.run_task(task, input, round, abort);
@@ -71,6 +71,49 @@ impl FedClient for SimClient {
             self.runtime.park();
         }
         drop(slot);
-        result.map_err(|e| (e.class().unwrap_or(ErrorClass::Exception), chain(&e)))
+        result.map_err(|e| {
+            (
+                e.class().unwrap_or(ErrorClass::Exception),
+                without_site(self.name(), &chain(&e)),
+            )
+        })
     }
+}
+
+/// The controller names the site in front of every client error: drop the runtime's own.
+fn without_site(site: &str, text: &str) -> String {
+    text.strip_prefix(site)
+        .and_then(|t| t.strip_prefix(": "))
+        .unwrap_or(text)
+        .to_owned()
+}
+
+/// What a user can act on when a site's executors did not start: the executor and its
+/// own error, without the engine's event plumbing (`_start_run`, handler) around it.
+///
+/// Caveat: the executor's start-up error reaches the engine as text (the component
+/// contract carries a message), so a rank that exited with code 0 during start-up is
+/// recognised from that text.
+fn start_failure(e: &ClientError) -> (ErrorClass, String) {
+    if let ClientError::Event { source: fired, .. } = e
+        && let FireEventError::Handler {
+            component, source, ..
+        } = fired.as_ref()
+    {
+        let mut text = format!("executor `{component}` could not start: {}", chain(source));
+        if text.contains("during start-up") && text.ends_with("exited with code 0") {
+            text.push_str(
+                " before connecting back (is the executor's `worker.program` a rankexec \
+                 worker?)",
+            );
+        }
+        return (source.class(), text);
+    }
+    let site = match e {
+        ClientError::Build { site, .. }
+        | ClientError::NoExecutor { site, .. }
+        | ClientError::Event { site, .. }
+        | ClientError::Task { site, .. } => site.as_str(),
+    };
+    (ErrorClass::Exception, without_site(site, &chain(e)))
 }

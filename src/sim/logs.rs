@@ -2,6 +2,10 @@
 //! `WORKSPACE/site-N/log.txt` with each site's own lines (every event inside a span that
 //! carries `site = ...`, which includes its executors' and ranks' output). Each rank's
 //! raw stdout and stderr are also in `WORKSPACE/site-N/<executor>/rank-R/`.
+//!
+//! A rank's line relayed by its executor (target `rankexec::rank`) already carries the
+//! rank's own timestamp and level: the files keep those and add none (a line the rank
+//! printed without them gets the host's).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -18,6 +22,8 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{Layer, fmt};
+
+use crate::logging::{Message, RANK_TARGET, RankLines, split_stamped};
 
 struct Site(String);
 
@@ -55,10 +61,11 @@ impl Visit for Text {
     }
 }
 
-/// Writes each site's events to its own file.
+/// Writes each site's events to its own file, and ranks' lines to the job's file too.
 struct SiteFiles {
     root: PathBuf,
     files: Mutex<HashMap<String, LineWriter<File>>>,
+    all: Arc<Mutex<LineWriter<File>>>,
 }
 
 impl<S> Layer<S> for SiteFiles
@@ -81,12 +88,27 @@ where
         }) else {
             return;
         };
-        let mut text = Text(String::new());
-        event.record(&mut text);
         let mut ts = String::new();
         let _ = fmt::time::SystemTime.format_time(&mut fmt::format::Writer::new(&mut ts));
         let meta = event.metadata();
-        let line = format!("{ts} {:>5} {}: {}\n", meta.level(), meta.target(), text.0);
+        let line = if meta.target() == RANK_TARGET {
+            let mut m = Message::default();
+            event.record(&mut m);
+            let (ts, level, rest) = split_stamped(&m.0)
+                .map(|(t, l, r)| (t.to_owned(), l.to_owned(), r.to_owned()))
+                .unwrap_or((ts, meta.level().to_string(), m.0.clone()));
+            let job_line = format!("{ts} {level:>5} {site}: {rest}\n");
+            let _ = self
+                .all
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .write_all(job_line.as_bytes());
+            format!("{ts} {level:>5} {rest}\n")
+        } else {
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            format!("{ts} {:>5} {}: {}\n", meta.level(), meta.target(), text.0)
+        };
         let mut files = self.files.lock().unwrap_or_else(PoisonError::into_inner);
         if !files.contains_key(&site) {
             let dir = self.root.join(&site);
@@ -128,24 +150,50 @@ impl Write for Console {
     }
 }
 
+/// Why the logs could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LogSetupError {
+    /// The job's log file could not be created.
+    #[error("cannot create the log file {path}")]
+    Create {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A global subscriber is already installed.
+    #[error("a logger is already installed")]
+    Installed(#[source] tracing_subscriber::util::TryInitError),
+}
+
 /// Installs the three destinations. `console` is the console's default level
 /// (`RANKEXEC_LOG`/`RUST_LOG` override it).
 pub fn install(
     workspace: &Path,
     console: LevelFilter,
     bars: Option<MultiProgress>,
-) -> std::io::Result<()> {
-    std::fs::create_dir_all(workspace)?;
-    let all = Arc::new(Mutex::new(LineWriter::new(File::create(
-        workspace.join("log.txt"),
-    )?)));
+) -> Result<(), LogSetupError> {
+    let path = workspace.join("log.txt");
+    let file = std::fs::create_dir_all(workspace)
+        .and_then(|()| File::create(&path))
+        .map_err(|source| LogSetupError::Create {
+            path: path.display().to_string(),
+            source,
+        })?;
+    let all = Arc::new(Mutex::new(LineWriter::new(file)));
     // Write errors are dropped, never reported with `eprintln!`: that panics (in whatever
     // thread was logging) when stderr is closed.
+    let job_file = all.clone();
     let file_layer = fmt::layer()
         .with_ansi(false)
         .log_internal_errors(false)
-        .with_writer(move || AllWriter(all.clone()))
-        .with_filter(LevelFilter::INFO);
+        .with_writer(move || AllWriter(job_file.clone()))
+        .with_filter(LevelFilter::INFO)
+        // Ranks' lines are written by `SiteFiles`, with their own timestamps.
+        .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.target() != RANK_TARGET
+        }));
     let console_filter = EnvFilter::try_from_env("RANKEXEC_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::default().add_directive(console.into()));
@@ -153,12 +201,15 @@ pub fn install(
     let console_layer = fmt::layer()
         .with_ansi(is_tty)
         .log_internal_errors(false)
-        .with_target(false)
+        .event_format(RankLines(
+            fmt::format().with_ansi(is_tty).with_target(false),
+        ))
         .with_writer(move || Console(bars.clone()))
         .with_filter(console_filter);
     let sites = SiteFiles {
         root: workspace.to_owned(),
         files: Mutex::new(HashMap::new()),
+        all,
     }
     .with_filter(LevelFilter::INFO);
     tracing_subscriber::registry()
@@ -166,7 +217,7 @@ pub fn install(
         .with(sites)
         .with(console_layer)
         .try_init()
-        .map_err(std::io::Error::other)
+        .map_err(LogSetupError::Installed)
 }
 
 struct AllWriter(Arc<Mutex<LineWriter<File>>>);

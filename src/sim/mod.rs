@@ -4,9 +4,11 @@
 //! - [`client`]: a simulated site (group gate, lazy `START_RUN`).
 //! - [`progress`]: bars and per-round lines.
 //! - [`logs`]: console, job and per-site log files.
+//! - [`metrics`]: every round's report in `metrics.jsonl`.
 
 pub mod client;
 pub mod logs;
+pub mod metrics;
 pub mod progress;
 pub mod run;
 

@@ -259,3 +259,44 @@ impl std::io::Write for Writer {
         Ok(())
     }
 }
+
+/// Waits for a child to exit; kills it (and fails) if it does not within `within`.
+#[track_caller]
+pub fn wait_exit(child: &mut std::process::Child, within: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if start.elapsed() > within {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("pid {} did not exit within {within:?}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Entries of a directory (empty when it does not exist).
+pub fn entries(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A child process that is killed and reaped when dropped (a failing test leaves no
+/// process behind; its process group goes with it when it leads one).
+pub struct Reaper(pub std::process::Child);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need, then runs every test.
+#
+#   scripts/test.sh [ARGS...]      ARGS go to `cargo test` (for example `-- --nocapture`)
+#
+# On a fresh machine with only Rust and Python 3.11 it:
+#   1. installs Open MPI and libclang with apt-get when they are missing and it may
+#      (root, or `sudo -n` works); otherwise it names the packages and runs the tests
+#      without `--features mpi`;
+#   2. makes a virtual environment at ${CARGO_TARGET_DIR:-target}/venv (reused while
+#      python/requirements-test.txt and the Python version are unchanged: a stamp file
+#      records them), installs python/requirements-test.txt into it, then the package in
+#      python/ (`maturin develop --release`);
+#   3. runs `cargo test --workspace [--features mpi]` with the venv's bin first on PATH
+#      (tests that drive python or torchrun find them there);
+#   4. runs `python -m pytest python/tests -q` and `ruff check` on the Python sources.
+#
+# Environment:
+#   RANKEXEC_SKIP_PY=1     skip the Python part (no venv, no pytest, no ruff)
+#   RANKEXEC_NO_INSTALL=1  never install system packages
+#   PYTHON=python3.11      the interpreter that makes the venv (default: python3.11,
+#                          else python3 if it is 3.11 or newer)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+TARGET="${CARGO_TARGET_DIR:-target}"
+MPI_PACKAGES="libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev"
+
+# --- 1. Open MPI and libclang (bindgen) for the `mpi` feature -------------------------
+have_libclang() {
+    [ -n "${LIBCLANG_PATH:-}" ] && return 0
+    ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so' && return 0
+    compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null \
+        || compgen -G '/usr/lib/llvm-*/lib/libclang-[0-9]*.so*' >/dev/null
+}
+have_mpi() {
+    command -v mpicc >/dev/null && command -v mpirun >/dev/null && have_libclang
+}
+
+if ! have_mpi; then
+    SUDO=none
+    if [ "$(id -u)" -eq 0 ]; then
+        SUDO=""
+    elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+        SUDO="sudo -n"
+    fi
+    if [ "$SUDO" != none ] && command -v apt-get >/dev/null && [ "${RANKEXEC_NO_INSTALL:-0}" != 1 ]; then
+        say "installing Open MPI and libclang: apt-get install $MPI_PACKAGES"
+        # shellcheck disable=SC2086  # $SUDO is empty or `sudo -n`
+        $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        # shellcheck disable=SC2086
+        $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends $MPI_PACKAGES >/dev/null
+    fi
+fi
+FEATURES=()
+if have_mpi; then
+    FEATURES=(--features mpi)
+else
+    say "Open MPI or libclang is missing and cannot be installed here" \
+        "(install: apt-get install $MPI_PACKAGES); running without --features mpi"
+fi
+
+# --- 2. The Python environment ---------------------------------------------------------
+PY_TESTS=0
+if [ "${RANKEXEC_SKIP_PY:-0}" = 1 ]; then
+    say "RANKEXEC_SKIP_PY=1: skipping the Python part"
+else
+    PY_TESTS=1
+    VENV="$TARGET/venv"
+    if [ ! -x "$VENV/bin/python" ]; then
+        PY="${PYTHON:-}"
+        if [ -z "$PY" ]; then
+            if command -v python3.11 >/dev/null; then PY=python3.11; else PY=python3; fi
+        fi
+        command -v "$PY" >/dev/null || die "$PY not found (Python 3.11 or newer is needed; RANKEXEC_SKIP_PY=1 skips the Python part)"
+        "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+            || die "$PY is $("$PY" --version 2>&1); Python 3.11 or newer is needed"
+        say "creating the virtual environment $VENV"
+        "$PY" -m venv "$VENV"
+    fi
+    VENV="$(cd "$VENV" && pwd)"
+    STAMP="$VENV/.rankexec-requirements"
+    want="$({ "$VENV/bin/python" --version; cat python/requirements-test.txt; } | sha256sum | cut -d' ' -f1)"
+    if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
+        say "installing python/requirements-test.txt into $VENV (torch brings CUDA wheels: a few GB)"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -r python/requirements-test.txt
+        echo "$want" >"$STAMP"
+    else
+        say "reusing $VENV (requirements unchanged)"
+    fi
+    export VIRTUAL_ENV="$VENV"
+    export PATH="$VENV/bin:$PATH"
+    say "building the Python package into $VENV"
+    maturin develop --release -q -m python/Cargo.toml
+fi
+
+# --- 3. Rust -----------------------------------------------------------------------------
+say "cargo test --workspace ${FEATURES[*]:-}"
+cargo test --workspace "${FEATURES[@]}" "$@"
+
+# --- 4. Python tests and lint --------------------------------------------------------------
+if [ "$PY_TESTS" = 1 ]; then
+    if compgen -G 'python/tests/test_*.py' >/dev/null || compgen -G 'python/tests/*_test.py' >/dev/null; then
+        say "python -m pytest python/tests -q"
+        python -m pytest python/tests -q
+    else
+        say "no Python tests in python/tests"
+    fi
+    LINT=()
+    for d in python examples/python; do
+        [ -d "$d" ] && LINT+=("$d")
+    done
+    if [ "${#LINT[@]}" -gt 0 ]; then
+        say "ruff check ${LINT[*]}"
+        ruff check "${LINT[@]}"
+    fi
+fi
+say "all tests passed"
