@@ -9,9 +9,17 @@
 //!
 //! **External** (torchrun, mpirun, srun, any command): one launcher process is spawned
 //! as the leader of a new group, from an argv template (no shell, so no quoting bugs).
-//! Its ranks are not our children: each one reports its pid and process group in its
-//! hello, and teardown signals those too (torchrun and mpirun give every rank its own
-//! group).
+//! Its ranks are not our children. A rank on a local socket is known by the pid the
+//! kernel gives for its connection (`SO_PEERCRED`, see `session::accept`), held by a
+//! pidfd, and teardown signals it and its own process group too: torchrun (2.x) starts
+//! every worker in a session of its own, so a signal to torchrun's group misses them.
+//! Ranks over TCP are never signalled: only `Close` and their launcher end them.
+//!
+//! **Tracking from the start**: a pidfd is opened for every process we spawn before its
+//! `Child` is dropped. If that fails (out of descriptors), the child is killed and
+//! waited for through the `Child` at once, so no process of ours is ever untracked.
+//! We refuse to spawn at all while `SIGCHLD` is ignored (or `SA_NOCLDWAIT`): the kernel
+//! would reap our children itself, and their pids could be reused while held.
 //!
 //! Ranks get the environment contract of [`rankexec_protocol::env`], plus a superset of
 //! torchrun's variables (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
@@ -111,16 +119,45 @@ fn take_pipes(
     }
 }
 
+/// Tracks a child we just spawned, before its `Child` is dropped. On failure the
+/// child is killed and reaped through the `Child` (it is unreaped, so its pid is still
+/// its own), so nothing is left running untracked.
 fn track(
     table: &ProcessTable,
     watcher: &ExitWatcher,
     role: Role,
-    pid: u32,
+    child: &mut std::process::Child,
     pgid: u32,
 ) -> std::io::Result<()> {
-    let (index, fd) = table.add(role, pid, pgid, true)?;
-    watcher.watch(index, fd);
-    Ok(())
+    let pid = child.id();
+    let tracked = crate::os::pidfd_open(pid).and_then(|fd| table.add(role, pid, pgid, fd, true));
+    match tracked {
+        Ok((index, fd)) => {
+            watcher.watch(index, fd);
+            Ok(())
+        }
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
+/// Refuses to spawn while the kernel would reap our children behind our back.
+fn check_sigchld(program: &Path) -> Result<(), StartError> {
+    match crate::os::sigchld_discards_children() {
+        Ok(false) => Ok(()),
+        Ok(true) => Err(spawn_error(
+            "the rank group".into(),
+            program,
+            std::io::Error::other(
+                "SIGCHLD is ignored in this process (SIG_IGN or SA_NOCLDWAIT), so the kernel \
+                 would reap ranks before their exit could be seen; restore its default action",
+            ),
+        )),
+        Err(e) => Err(spawn_error("the rank group".into(), program, e)),
+    }
 }
 
 /// Starts the processes. Call from the dispatcher thread only (see the module docs).
@@ -129,6 +166,7 @@ pub(crate) fn launch(
     table: &ProcessTable,
     watcher: &ExitWatcher,
 ) -> Result<Launched, StartError> {
+    check_sigchld(&plan.program)?;
     let mut pipes = Vec::new();
     match &plan.launcher {
         LauncherConfig::Builtin => {
@@ -160,12 +198,12 @@ pub(crate) fn launch(
                     pgid = pid;
                 }
                 let rank_pgid = if own_group { pid } else { pgid };
+                track(table, watcher, Role::Rank(rank), &mut child, rank_pgid)
+                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
                 take_pipes(&mut child, Source::Rank(rank), &mut pipes);
                 // The watcher reaps through the pidfd; std's `Child` neither waits nor
                 // kills on drop.
                 drop(child);
-                track(table, watcher, Role::Rank(rank), pid, rank_pgid)
-                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
             }
             Ok(Launched { pipes, pgid })
         }
@@ -189,10 +227,10 @@ pub(crate) fn launch(
                 .spawn()
                 .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
             let pid = child.id();
+            track(table, watcher, Role::Launcher, &mut child, pid)
+                .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
             take_pipes(&mut child, Source::Launcher, &mut pipes);
             drop(child);
-            track(table, watcher, Role::Launcher, pid, pid)
-                .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
             Ok(Launched { pipes, pgid: pid })
         }
     }
