@@ -28,7 +28,7 @@
 //! `TORCHELASTIC_ERROR_FILE`).
 
 use std::collections::BTreeMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -82,10 +82,11 @@ fn apply_env(cmd: &mut Command, plan: &LaunchPlan, extra: Option<&BTreeMap<Strin
             }
         }
     }
-    // Never pass on our own contract variables if this host is itself a rank.
+    // Never pass on our own contract variables if this host is itself a rank (the log
+    // filter is not part of the contract: it reaches ranks).
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy();
-        if k.starts_with("RANKEXEC_") || k == vars::ERROR_FILE {
+        if (k.starts_with("RANKEXEC_") && k != "RANKEXEC_LOG") || k == vars::ERROR_FILE {
             cmd.env_remove(k.as_ref());
         }
     }
@@ -144,6 +145,41 @@ fn track(
     }
 }
 
+/// Moves the secret from the rank's environment into a pipe the rank inherits (its
+/// number in [`vars::SECRET_FD`]): the whole secret is written and the write end
+/// closed before the spawn, so the rank reads to end of file. Returns the parent's
+/// copy of the read end, to drop once the rank is spawned.
+fn secret_pipe(cmd: &mut Command, plan: &LaunchPlan) -> std::io::Result<Option<OwnedFd>> {
+    use std::io::Write as _;
+    use std::os::fd::{AsFd, AsRawFd};
+    let Some(secret) = plan.common.get(vars::SECRET) else {
+        return Ok(None);
+    };
+    cmd.env_remove(vars::SECRET);
+    let (reader, mut writer) = std::io::pipe()?;
+    writer.write_all(secret.as_bytes())?;
+    drop(writer);
+    // Above the standard streams, which the spawn replaces; close-on-exec stays set
+    // here so no other process spawned meanwhile inherits it.
+    let reader = rustix::io::fcntl_dupfd_cloexec(OwnedFd::from(reader).as_fd(), 3)?;
+    let raw = reader.as_raw_fd();
+    cmd.env(vars::SECRET_FD, raw.to_string());
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed; `fcntl(F_SETFD)` is one (rustix issues the
+    // raw syscall, no allocation, no lock). `raw` is the read end duplicated above,
+    // open in the parent until this spawn returns (the caller holds it), so it is open
+    // in the child too. Tested by `tests/secret_pipe.rs` (the rank reads the secret
+    // from it and its environment holds none).
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = BorrowedFd::borrow_raw(raw);
+            rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+            Ok(())
+        });
+    }
+    Ok(Some(reader))
+}
+
 /// Refuses to spawn while the kernel would reap our children behind our back.
 fn check_sigchld(program: &Path) -> Result<(), StartError> {
     match crate::os::sigchld_discards_children() {
@@ -179,6 +215,10 @@ pub(crate) fn launch(
                     .stderr(Stdio::piped())
                     .process_group(pgid as i32);
                 apply_env(&mut cmd, plan, plan.per_rank.get(rank as usize));
+                // Held until the rank is spawned: the parent's copy of the read end closes
+                // when this drops, so only the rank holds it.
+                let _secret_pipe = secret_pipe(&mut cmd, plan)
+                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
                 let mut own_group = false;
                 let mut child = match cmd.spawn() {
                     Ok(c) => c,
