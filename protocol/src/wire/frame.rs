@@ -16,6 +16,11 @@
 //!
 //! A frame is encoded once ([`OutFrame`]) and can be written to any number of
 //! connections: fan-out writes the same buffers to N sockets.
+//!
+//! Sizes are checked on the sending side too: [`FrameLimits::check`] measures a frame
+//! (header, inline body and the sizes of its memory files) against the receiver's
+//! limits before it is written, so a sender learns "too large" as an error of its own
+//! instead of the receiver dropping the connection.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -62,6 +67,34 @@ impl FrameLimits {
             max_body: max_frame_bytes,
             max_fds: MAX_FDS_PER_FRAME,
         }
+    }
+}
+
+impl FrameLimits {
+    /// Checks an outgoing frame against these limits: the header, then the inline body
+    /// plus the memory files' sizes (a receiver maps those too), then the descriptors.
+    pub fn check(&self, frame: &OutFrame) -> Result<(), FrameError> {
+        let header = (frame.head.len() - PREFIX_LEN) as u64;
+        if header > u64::from(self.max_header) {
+            return Err(FrameError::HeaderTooLarge {
+                len: header,
+                max: self.max_header.into(),
+            });
+        }
+        let len = frame.payload_len()?;
+        if len > self.max_body {
+            return Err(FrameError::BodyTooLarge {
+                len,
+                max: self.max_body,
+            });
+        }
+        if frame.fds.len() > self.max_fds as usize {
+            return Err(FrameError::TooManyFds {
+                count: u32::try_from(frame.fds.len()).unwrap_or(u32::MAX),
+                max: self.max_fds,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -159,7 +192,13 @@ impl OutFrame {
         let body_len: u64 = body.iter().map(|b| b.len() as u64).sum();
         let mut head = Vec::with_capacity(PREFIX_LEN + header.len());
         head.extend_from_slice(&MAGIC);
-        head.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        // Headers come from `codec::encode`, which refuses any over 64 MiB; a longer one
+        // would be announced as `u32::MAX` and refused by every reader, never wrapped.
+        head.extend_from_slice(
+            &u32::try_from(header.len())
+                .unwrap_or(u32::MAX)
+                .to_le_bytes(),
+        );
         head.extend_from_slice(&body_len.to_le_bytes());
         head.extend_from_slice(&(fds.len() as u32).to_le_bytes());
         head.extend_from_slice(header);
@@ -174,6 +213,19 @@ impl OutFrame {
     /// Bytes on the wire (descriptors not counted).
     pub fn wire_len(&self) -> u64 {
         self.head.len() as u64 + self.body.iter().map(|b| b.len() as u64).sum::<u64>()
+    }
+
+    /// The blob bytes the frame carries: its inline body plus the size of every memory
+    /// file it passes.
+    pub fn payload_len(&self) -> Result<u64, FrameError> {
+        let mut len: u64 = self.body.iter().map(|b| b.len() as u64).sum();
+        for fd in &self.fds {
+            let size = rustix::fs::fstat(fd.as_fd())
+                .map_err(|e| FrameError::Io(e.into()))?
+                .st_size;
+            len = len.saturating_add(u64::try_from(size).unwrap_or(0));
+        }
+        Ok(len)
     }
 
     /// Whether the frame passes descriptors.
@@ -495,6 +547,24 @@ mod tests {
             }) => {}
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn senders_check_header_body_and_memory_files() {
+        let small = FrameLimits::for_max_frame(100);
+        let fd = Arc::new(os::sealed_memfd("t", &[&[0u8; 80]]).unwrap());
+        let f = OutFrame::new(b"h", vec![Bytes::from(vec![1u8; 30])], vec![fd.clone()]);
+        assert_eq!(f.payload_len().unwrap(), 110);
+        let err = small.check(&f).unwrap_err();
+        assert!(
+            matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),
+            "{err}"
+        );
+        assert!(small.check(&OutFrame::new(b"h", vec![], vec![fd])).is_ok());
+        let err = small
+            .check(&OutFrame::header_only(&[0u8; 101]))
+            .unwrap_err();
+        assert!(matches!(err, FrameError::HeaderTooLarge { .. }), "{err}");
     }
 
     #[test]
