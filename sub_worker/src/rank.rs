@@ -38,8 +38,7 @@ use rankexec_protocol::env::{self, RankEnv, vars};
 use rankexec_protocol::wire::envelope::{self, BlobPolicy};
 use rankexec_protocol::wire::message::{Init, Props, RankError, TaskOutput, WireShareable};
 use rankexec_protocol::wire::{
-    Channel, Endpoint, FrameError, FrameLimits, Identity, Message, Secret, client_handshake,
-    frame::read_frame,
+    Channel, Endpoint, FrameError, FrameLimits, Identity, Message, Secret, frame::read_frame,
 };
 use rankexec_protocol::{
     Component, ComponentConfig, ErrorClass, Executor, FlContext, PropFlags, Registry, Shareable,
@@ -218,14 +217,6 @@ fn parent_limits() -> FrameLimits {
 }
 
 fn connect(settings: &Settings, channel: Channel) -> Result<Link, StartupError> {
-    let conn = settings
-        .endpoint
-        .connect(settings.connect_timeout)
-        .map_err(|source| StartupError::Connect {
-            channel: channel.as_str(),
-            endpoint: settings.endpoint.to_string(),
-            source,
-        })?;
     let who = Identity {
         channel,
         rank: settings.env.rank,
@@ -235,12 +226,24 @@ fn connect(settings: &Settings, channel: Channel) -> Result<Link, StartupError> 
         pgid: os::pgid(),
         host: os::hostname(),
     };
-    client_handshake(&conn, &settings.secret, &who, settings.connect_timeout).map_err(
-        |source| StartupError::Handshake {
+    // Retries, with back-off, a parent too busy to take the connection yet.
+    let conn = rankexec_protocol::wire::dial(
+        &settings.endpoint,
+        &settings.secret,
+        &who,
+        settings.connect_timeout,
+    )
+    .map_err(|e| match e {
+        rankexec_protocol::wire::DialError::Connect { source, .. } => StartupError::Connect {
+            channel: channel.as_str(),
+            endpoint: settings.endpoint.to_string(),
+            source,
+        },
+        rankexec_protocol::wire::DialError::Handshake { source, .. } => StartupError::Handshake {
             channel: channel.as_str(),
             source,
         },
-    )?;
+    })?;
     Ok(Link::new(conn))
 }
 

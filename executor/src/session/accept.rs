@@ -2,8 +2,14 @@
 //!
 //! One thread waits on the listener (and a waker) with `poll(2)`. Each accepted
 //! connection is authenticated on its own short-lived thread, so a peer that connects
-//! and says nothing holds up nobody; at most [`MAX_PENDING`] handshakes run at once and
-//! each has a deadline. A connection is refused, with the reason logged and sent to the
+//! and says nothing holds up nobody. At most [`max_pending`] handshakes run at once
+//! (three per rank plus [`MAX_PENDING`] to spare: the limit grows with the group), each
+//! has a deadline, and a slot is given back however its thread ends (a guard, even if
+//! the thread cannot start). A connection over the limit is closed at once; ranks
+//! retry with back-off ([`rankexec_protocol::wire::dial`]), so idle connections can
+//! delay start-up by at most one handshake deadline, never deny it. Once the group is
+//! ready ([`AcceptPolicy::stop_accepting`]) the acceptor stops and the listener
+//! closes. A connection is refused, with the reason logged and sent to the
 //! peer, when:
 //!
 //! - its peer runs as another user (local sockets, `SO_PEERCRED`);
@@ -40,8 +46,22 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use crate::os::{self, Waker};
 
-/// Most handshakes in progress at once.
+/// Handshakes in progress allowed beyond three per rank.
 pub const MAX_PENDING: usize = 64;
+
+/// Most handshakes in progress at once for a group of `world` ranks.
+pub fn max_pending(world: u32) -> usize {
+    3 * world as usize + MAX_PENDING
+}
+
+/// Gives a handshake slot back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// How long the acceptor waits after a failed `accept` before trying again.
 const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
@@ -60,6 +80,8 @@ pub(crate) struct AcceptPolicy {
     pub(crate) expected_pids: Vec<Option<u32>>,
     pub(crate) handshake_timeout: Duration,
     slots: Mutex<Slots>,
+    /// The acceptor to stop once start-up is over.
+    acceptor: Mutex<Option<Acceptor>>,
 }
 
 impl AcceptPolicy {
@@ -80,15 +102,23 @@ impl AcceptPolicy {
                 accepting: true,
                 seen: vec![[false; 3]; world as usize],
             }),
+            acceptor: Mutex::new(None),
         }
     }
 
-    /// Ends start-up: every later connection is refused.
+    /// Ends start-up: every later connection is refused, the acceptor stops and the
+    /// listener closes.
     pub(crate) fn stop_accepting(&self) {
         self.slots
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .accepting = false;
+        let acceptor = self
+            .acceptor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(acceptor);
     }
 
     /// Records the pid spawned for `rank` (built-in launcher).
@@ -206,10 +236,20 @@ impl PeerProcess {
     }
 }
 
-/// The acceptor thread; stops (and closes the listener) when dropped.
+/// The acceptor thread; stops (and closes the listener) when dropped, or when its
+/// policy stops accepting, whichever comes first.
 pub(crate) struct Acceptor {
     waker: Arc<Waker>,
     stop: Arc<AtomicBool>,
+}
+
+impl Acceptor {
+    fn handle(&self) -> Acceptor {
+        Acceptor {
+            waker: self.waker.clone(),
+            stop: self.stop.clone(),
+        }
+    }
 }
 
 impl Drop for Acceptor {
@@ -228,12 +268,17 @@ impl Acceptor {
     ) -> std::io::Result<Acceptor> {
         let waker = Arc::new(Waker::new()?);
         let stop = Arc::new(AtomicBool::new(false));
-        let (w, s) = (waker.clone(), stop.clone());
+        let acceptor = Acceptor { waker, stop };
+        *policy
+            .acceptor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(acceptor.handle());
+        let (w, s) = (acceptor.waker.clone(), acceptor.stop.clone());
         let span = tracing::Span::current();
         std::thread::Builder::new()
             .name("rx-accept".into())
             .spawn(move || span.in_scope(|| accept_loop(&listener, &policy, &report, &w, &s)))?;
-        Ok(Acceptor { waker, stop })
+        Ok(acceptor)
     }
 }
 
@@ -245,6 +290,7 @@ fn accept_loop(
     stop: &AtomicBool,
 ) {
     let pending = Arc::new(AtomicUsize::new(0));
+    let limit = max_pending(policy.world);
     let uid = effective_uid();
     let mut back_off = false;
     loop {
@@ -301,12 +347,13 @@ fn accept_loop(
                 }
                 None => None,
             };
-            if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING {
-                pending.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!(%peer, "refused connection: {MAX_PENDING} handshakes already in progress");
+            let slot = Slot(pending.clone());
+            if pending.fetch_add(1, Ordering::SeqCst) >= limit {
+                drop(slot);
+                tracing::warn!(%peer, "refused connection: {limit} handshakes already in progress (the rank retries)");
                 continue;
             }
-            let (policy, report, pending) = (policy.clone(), report.clone(), pending.clone());
+            let (policy, report) = (policy.clone(), report.clone());
             let span = tracing::Span::current();
             let spawned = std::thread::Builder::new()
                 .name("rx-handshake".into())
@@ -318,7 +365,7 @@ fn accept_loop(
                             policy.handshake_timeout,
                             |h| policy.admit(h, peer_pid),
                         );
-                        pending.fetch_sub(1, Ordering::SeqCst);
+                        drop(slot);
                         match hs {
                             Ok(hello) => report(Connected {
                                 rank: hello.who.rank,

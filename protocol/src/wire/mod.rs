@@ -6,15 +6,18 @@
 //! - [`envelope`]: shareables in and out of frames (inline or sealed memory files).
 //! - [`handshake`]: mutual HMAC authentication of every connection.
 //! - [`conn`]: local and TCP connections, endpoints and listeners.
+//! - [`dial`]: a rank connecting and authenticating, with back-off while the parent is busy.
 
 pub mod codec;
 pub mod conn;
+pub mod dial;
 pub mod envelope;
 pub mod frame;
 pub mod handshake;
 pub mod message;
 
 pub use conn::{Conn, Endpoint, EndpointParseError, Listener, effective_uid};
+pub use dial::{DialError, dial};
 pub use envelope::{BlobPolicy, PackError, UnpackError};
 pub use frame::{FrameError, FrameLimits, InFrame, OutFrame};
 pub use handshake::{HandshakeError, Secret, client_handshake, server_handshake};
