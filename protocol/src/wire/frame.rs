@@ -228,6 +228,16 @@ impl OutFrame {
         Ok(len)
     }
 
+    /// The frame's bytes as a local socket carries them (descriptors not included):
+    /// for tools and tests that play a peer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = self.head.clone();
+        for b in &self.body {
+            out.extend_from_slice(b);
+        }
+        out
+    }
+
     /// Whether the frame passes descriptors.
     pub fn has_fds(&self) -> bool {
         !self.fds.is_empty()
@@ -255,9 +265,15 @@ impl OutFrame {
     /// a partial write with [`write_rest`](Self::write_rest). This lets a single
     /// dispatcher thread send small frames to many peers without a thread hop, and hand
     /// only a stuck peer's frame to a writer thread.
+    ///
+    /// On TCP nothing goes out here (`Ok(0)`): bytes there travel in encrypted records,
+    /// which are written whole by [`write_rest`](Self::write_rest).
     pub fn try_write_now(&self, conn: &Conn) -> Result<u64, FrameError> {
         if !self.fds.is_empty() && !conn.passes_fds() {
             return Err(FrameError::FdsUnsupported("tcp"));
+        }
+        if !conn.passes_fds() {
+            return Ok(0);
         }
         let slices = self.slices();
         let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(|f| f.as_fd()).collect();
@@ -332,7 +348,9 @@ fn read_prefix(
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            // recvmsg's way of saying "more descriptors than allowed" (local only; on
+            // TCP the record layer uses this kind for a refused record).
+            Err(e) if e.kind() == io::ErrorKind::InvalidData && conn.passes_fds() => {
                 return Err(FrameError::TooManyFds {
                     count: u32::try_from(fds.len()).unwrap_or(u32::MAX),
                     max: limits.max_fds,
