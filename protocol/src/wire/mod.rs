@@ -7,7 +7,7 @@
 //! - [`handshake`]: mutual HMAC authentication of every connection.
 //! - [`secure`]: the TCP record layer (encryption and authentication after the handshake).
 //! - [`conn`]: local and TCP connections, endpoints and listeners.
-//! - [`dial`]: a rank connecting and authenticating, with back-off while the parent is busy.
+//! - [`dial`](mod@dial): a rank connecting and authenticating, with back-off while the parent is busy.
 
 pub mod codec;
 pub mod conn;
