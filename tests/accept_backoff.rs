@@ -11,9 +11,9 @@ use std::time::Duration;
 use common::*;
 use rankexec::executor::MultiProcessExecutor;
 use rankexec::protocol::{Shareable, Signal};
-use std::os::unix::fs::PermissionsExt;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+use std::os::unix::fs::PermissionsExt;
 
 #[test]
 fn failed_accepts_back_off_and_recover() {
@@ -46,7 +46,10 @@ fn failed_accepts_back_off_and_recover() {
     let ep_file = logs.path().join("ep");
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !ep_file.exists() {
-        assert!(std::time::Instant::now() < deadline, "the rank never started");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rank never started"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     let endpoint = std::fs::read_to_string(&ep_file).unwrap().trim().to_owned();

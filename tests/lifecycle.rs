@@ -30,7 +30,10 @@ fn lifecycle_for_one_two_and_four_ranks() {
             );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        assert!(run_dir.exists(), "run directory exists while the group runs");
+        assert!(
+            run_dir.exists(),
+            "run directory exists while the group runs"
+        );
 
         for round in 0..3i64 {
             let input = Shareable::new()
