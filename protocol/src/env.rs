@@ -506,4 +506,48 @@ mod tests {
             })
         ));
     }
+
+    #[test]
+    fn the_secret_comes_from_a_pipe_once_or_from_the_environment() {
+        use std::io::Write as _;
+        use std::os::fd::{AsRawFd, IntoRawFd};
+        let hex = "ab".repeat(32);
+        let none = |_: &str| None;
+        assert!(matches!(take_secret(&none), Err(SecretError::Missing)));
+        let env_only = |k: &str| (k == vars::SECRET).then(|| hex.clone());
+        assert!(take_secret(&env_only).is_ok());
+        let bad_env = |k: &str| (k == vars::SECRET).then(|| "zz".to_owned());
+        assert!(matches!(
+            take_secret(&bad_env),
+            Err(SecretError::Invalid(vars::SECRET))
+        ));
+        let bad_fd = |k: &str| (k == vars::SECRET_FD).then(|| "three".to_owned());
+        assert!(matches!(take_secret(&bad_fd), Err(SecretError::BadFd(_))));
+        // A descriptor that is not a pipe is refused and left open.
+        let file = tempfile::tempfile().unwrap();
+        let n = file.as_raw_fd().to_string();
+        let not_pipe = |k: &str| (k == vars::SECRET_FD).then(|| n.clone());
+        let e = take_secret(&not_pipe).unwrap_err();
+        assert!(crate::error_chain(&e).contains("is not a pipe"), "{e}");
+        assert!(file.metadata().is_ok(), "still ours and open");
+        // The real thing: read to end of file, then closed.
+        let (reader, mut writer) = std::io::pipe().unwrap();
+        writer.write_all(hex.as_bytes()).unwrap();
+        drop(writer);
+        let raw = reader.into_raw_fd();
+        let text = raw.to_string();
+        let pipe = |k: &str| (k == vars::SECRET_FD).then(|| text.clone());
+        assert_eq!(take_secret(&pipe).unwrap().to_hex(), hex);
+        assert!(
+            std::fs::read_link(format!("/proc/self/fd/{raw}"))
+                .is_ok_and(|t| !t.to_string_lossy().starts_with("pipe:"))
+                || std::fs::read_link(format!("/proc/self/fd/{raw}")).is_err(),
+            "the pipe is closed once read"
+        );
+        // Taken once: a second take is refused even if the number names a pipe again.
+        let (r2, _w2) = std::io::pipe().unwrap();
+        let text2 = r2.as_raw_fd().to_string();
+        let again = |k: &str| (k == vars::SECRET_FD).then(|| text2.clone());
+        assert!(take_secret(&again).is_err());
+    }
 }

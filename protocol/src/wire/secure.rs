@@ -245,6 +245,20 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_cut_inside_a_record_is_refused() {
+        let (a, b) = pair();
+        let (ca, cb) = channels();
+        let (tap_w, tap_r) = pair();
+        ca.write(&tap_w, b"hello").unwrap();
+        let mut record = vec![0u8; 4 + 5 + TAG_LEN];
+        (&mut &tap_r).read_exact(&mut record).unwrap();
+        (&mut &a).write_all(&record[..10]).unwrap();
+        drop(a);
+        let e = cb.read(&b, &mut [0u8; 16]).unwrap_err();
+        assert!(e.to_string().contains("stream cut inside a record"), "{e}");
+    }
+
+    #[test]
     fn replayed_and_injected_records_are_refused() {
         let (a, b) = pair();
         let (ca, cb) = channels();
