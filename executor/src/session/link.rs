@@ -232,20 +232,18 @@ fn read_loop(conn: &Arc<Conn>, channel: Channel, ctx: &LinkContext) {
         let plain = |frame: &rankexec_protocol::wire::InFrame| envelope::expect_plain(kind, frame);
         let event = match msg {
             Message::TaskResult { task_id, outcome } => match outcome {
-                Ok(out) => {
-                    match envelope::unpack_within(out.output, &frame.body, frame.fds, &ctx.limits) {
-                        Ok(s) => LinkEvent::TaskResult {
-                            task_id,
-                            outcome: Ok((out.props, s)),
-                        },
-                        Err(e) => {
-                            return ctx.report(LinkEvent::Protocol {
-                                channel,
-                                what: chain(&e),
-                            });
-                        }
+                Ok(out) => match envelope::unpack(out.output, &frame.body, frame.fds) {
+                    Ok(s) => LinkEvent::TaskResult {
+                        task_id,
+                        outcome: Ok((out.props, s)),
+                    },
+                    Err(e) => {
+                        return ctx.report(LinkEvent::Protocol {
+                            channel,
+                            what: chain(&e),
+                        });
                     }
-                }
+                },
                 Err(e) => match plain(&frame) {
                     Ok(()) => LinkEvent::TaskResult {
                         task_id,

@@ -8,9 +8,10 @@
 //! - Large blobs live in memory files from `memfd_create`
 //!   ([memfd_create(2)](https://man7.org/linux/man-pages/man2/memfd_create.2.html)),
 //!   sealed with `F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL` before they
-//!   are sent. A receiver maps a file only after checking that the write and shrink
-//!   seals are set: a peer that could still shrink the file could make every reader
-//!   fault with `SIGBUS`.
+//!   are sent. A receiver maps a file only after checking that the write, shrink and
+//!   grow seals are set: a peer that could still shrink the file could make every
+//!   reader fault with `SIGBUS`, and one that could grow it could outgrow the size the
+//!   frame reader counted against its limit.
 //! - The launch secret reaches a rank we spawn through an inherited pipe: the rank
 //!   takes the descriptor once, checks it is a pipe, reads to end of file and closes it.
 
@@ -169,8 +170,8 @@ pub(crate) fn sealed_memfd_with(
 /// Why a received memory file was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
-    /// The file is not sealed against writes and shrinking.
-    #[error("shared blob is not sealed against writes and shrinking (seals {seals:#x})")]
+    /// The file is not sealed against writes, shrinking and growing.
+    #[error("shared blob is not sealed against writes, shrinking and growing (seals {seals:#x})")]
     NotSealed {
         /// The seals found.
         seals: u32,
@@ -191,7 +192,7 @@ pub enum ShmError {
 /// Maps `len` bytes of a sealed memory file read-only.
 pub(crate) fn map_sealed(fd: OwnedFd, len: u64) -> Result<(Bytes, Arc<OwnedFd>), ShmError> {
     let seals = rustix::fs::fcntl_get_seals(&fd).map_err(io::Error::from)?;
-    if !seals.contains(SealFlags::WRITE | SealFlags::SHRINK) {
+    if !seals.contains(SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW) {
         return Err(ShmError::NotSealed {
             seals: seals.bits(),
         });

@@ -111,14 +111,6 @@ pub enum UnpackError {
         #[source]
         source: ShmError,
     },
-    /// The blobs, inline and memory files together, are larger than allowed.
-    #[error("blobs of {declared} bytes exceed the limit of {max}")]
-    TooLarge {
-        /// Sum of every blob's declared length.
-        declared: u64,
-        /// The limit.
-        max: u64,
-    },
     /// The frame carries a body or descriptors that its message does not describe.
     #[error("message {kind} carries {body} body bytes and {fds} descriptors it does not describe")]
     Unexpected {
@@ -195,29 +187,6 @@ fn memfd_name(blob: &str) -> String {
         name.push(c);
     }
     name
-}
-
-/// [`unpack`], after checking that every blob together (inline and memory files: the
-/// reader's limit on the body alone does not see the files) fits `limits.max_body`.
-/// Nothing is mapped or allocated for a shareable over the limit.
-pub fn unpack_within(
-    wire: WireShareable,
-    body: &Bytes,
-    fds: Vec<OwnedFd>,
-    limits: &super::frame::FrameLimits,
-) -> Result<Shareable, UnpackError> {
-    let declared = wire
-        .blobs
-        .iter()
-        .map(|b| b.len)
-        .fold(0u64, u64::saturating_add);
-    if declared > limits.max_body {
-        return Err(UnpackError::TooLarge {
-            declared,
-            max: limits.max_body,
-        });
-    }
-    unpack(wire, body, fds)
 }
 
 /// Rebuilds a shareable from its description, the frame body and the passed files.
@@ -375,24 +344,6 @@ mod tests {
         assert_eq!(unpack(wire, &Bytes::new(), fds).unwrap(), s);
         assert_eq!(memfd_name("a\0b"), "a_b");
         assert_eq!(memfd_name(&"é".repeat(300)).len(), MEMFD_NAME_MAX);
-    }
-
-    #[test]
-    fn memory_files_count_against_the_limit() {
-        let wire = WireShareable {
-            meta: Default::default(),
-            blobs: vec![BlobHeader {
-                name: "huge".into(),
-                len: 1 << 40,
-                carrier: Carrier::Fd(0),
-            }],
-        };
-        let limits = super::super::frame::FrameLimits::for_max_frame(1 << 20);
-        let err = unpack_within(wire, &Bytes::new(), vec![], &limits).unwrap_err();
-        assert!(
-            matches!(err, UnpackError::TooLarge { declared, max } if declared == 1 << 40 && max == 1 << 20),
-            "{err}"
-        );
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! 20      ...   header, then body
 //! ```
 //!
-//! Every length is checked against [`FrameLimits`] before anything is allocated, and the
+//! Every length is checked against [`FrameLimits`] before anything is allocated (the
+//! sizes of passed memory files count as body), and the
 //! body buffer grows with the bytes that actually arrive, so a peer that claims a huge
 //! frame and sends little costs little. Descriptors arrive with the prefix; a count that
 //! differs from what was passed is refused and the descriptors are closed.
@@ -432,6 +433,21 @@ pub fn read_frame(conn: &Conn, limits: &FrameLimits) -> Result<InFrame, FrameErr
             received: fds.len(),
         });
     }
+    // Memory files count against the body limit too: a receiver maps them. They are
+    // sealed against growing (checked before mapping), so their size now is final.
+    let mut total = body_len;
+    for fd in &fds {
+        let size = rustix::fs::fstat(fd.as_fd())
+            .map_err(|e| FrameError::Io(e.into()))?
+            .st_size;
+        total = total.saturating_add(u64::try_from(size).unwrap_or(0));
+    }
+    if total > limits.max_body {
+        return Err(FrameError::BodyTooLarge {
+            len: total,
+            max: limits.max_body,
+        });
+    }
     let mut header = vec![0u8; header_len as usize];
     read_exact_or_truncated(conn, &mut header, "header", header_len.into(), 0)?;
     let body = read_body(conn, body_len)?;
@@ -578,7 +594,19 @@ mod tests {
             matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),
             "{err}"
         );
-        assert!(small.check(&OutFrame::new(b"h", vec![], vec![fd])).is_ok());
+        assert!(
+            small
+                .check(&OutFrame::new(b"h", vec![], vec![fd.clone()]))
+                .is_ok()
+        );
+        // The reader counts memory files against its limit as well.
+        let (a, b) = Conn::pair().unwrap();
+        f.write_to(&a).unwrap();
+        let err = read_frame(&b, &small).unwrap_err();
+        assert!(
+            matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),
+            "{err}"
+        );
         let err = small
             .check(&OutFrame::header_only(&[0u8; 101]))
             .unwrap_err();
