@@ -10,25 +10,49 @@ use std::time::Duration;
 
 use common::*;
 use rankexec::executor::MultiProcessExecutor;
-use rankexec::protocol::{Shareable, Signal, Value};
+use rankexec::protocol::{Shareable, Signal};
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+use std::os::unix::fs::PermissionsExt;
 
 #[test]
 fn failed_accepts_back_off_and_recover() {
     let log = LogCapture::install();
     let logs = tempfile::tempdir().unwrap();
-    let exec =
-        MultiProcessExecutor::new(config(1, "Env", serde_json::json!({}), logs.path())).unwrap();
-    let mut ctx = start(&exec);
-    let out = exec
-        .run_task("env", Shareable::new(), &mut ctx, &Signal::new())
-        .unwrap();
-    let endpoint = out
-        .meta("env:RANKEXEC_ENDPOINT")
-        .and_then(Value::as_str)
-        .unwrap()
-        .to_owned();
+    // The rank waits for the go-ahead, so the acceptor is still in start-up (once the
+    // group is ready its listener is closed); it first says where it would connect.
+    let script = logs.path().join("worker.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho \"$RANKEXEC_ENDPOINT\" > {d}/ep.tmp && mv {d}/ep.tmp {d}/ep\n\
+             while [ ! -e {d}/go ]; do sleep 0.01; done\nexec {w}\n",
+            d = logs.path().display(),
+            w = worker_bin().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cfg = config(1, "Env", serde_json::json!({}), logs.path());
+    cfg.worker.program = script.display().to_string();
+    let exec = std::sync::Arc::new(MultiProcessExecutor::new(cfg).unwrap());
+    let e2 = exec.clone();
+    let starting = std::thread::spawn(move || {
+        use rankexec::protocol::FlComponent;
+        let mut ctx = rankexec::protocol::FlContext::new();
+        e2.handle_event(&rankexec::protocol::EventType::START_RUN, &mut ctx)
+            .map(|()| ctx)
+    });
+    let ep_file = logs.path().join("ep");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !ep_file.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rank never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let endpoint = std::fs::read_to_string(&ep_file).unwrap().trim().to_owned();
     let addr = SocketAddrUnix::new(socket_path(&endpoint)).unwrap();
     // The client's descriptor exists before the limit drops; connecting needs no new one.
     let client = rustix::net::socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
@@ -67,7 +91,9 @@ fn failed_accepts_back_off_and_recover() {
         wait_readable(&client, Duration::from_secs(10)),
         "the queued connection was never served"
     );
-    // The group itself was never disturbed.
+    // The group itself was never disturbed: it starts and works.
+    std::fs::write(logs.path().join("go"), "").unwrap();
+    let mut ctx = starting.join().unwrap().unwrap();
     exec.run_task("env", Shareable::new(), &mut ctx, &Signal::new())
         .unwrap();
     let pids = exec.live_pids();

@@ -20,7 +20,20 @@ fn lifecycle_for_one_two_and_four_ranks() {
         assert_eq!(pids.len(), n as usize, "n={n}: one process per rank");
         let sock = socket_path(&status.endpoint.clone().unwrap());
         let run_dir = sock.parent().unwrap().to_owned();
-        assert!(sock.exists(), "socket file exists while the group runs");
+        // The listener closes (and its socket file goes) once the group is ready; the
+        // private run directory stays until the group stops.
+        let closed_by = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while sock.exists() {
+            assert!(
+                std::time::Instant::now() < closed_by,
+                "n={n}: the listener still exists after start-up"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            run_dir.exists(),
+            "run directory exists while the group runs"
+        );
 
         for round in 0..3i64 {
             let input = Shareable::new()

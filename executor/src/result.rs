@@ -84,7 +84,9 @@ pub fn weighted_average(
                 len,
             });
         }
-        let mut acc = vec![0f64; len / 4];
+        // Every part is checked before the accumulator is sized: one rank's length
+        // alone never decides an allocation (each blob is within `max_frame` already).
+        let mut blobs = Vec::with_capacity(parts.len());
         for p in parts {
             let b = p
                 .shareable
@@ -101,6 +103,10 @@ pub fn weighted_average(
                     expected: len,
                 });
             }
+            blobs.push((p, b));
+        }
+        let mut acc = vec![0f64; len / 4];
+        for (p, b) in blobs {
             for (a, chunk) in acc.iter_mut().zip(b.chunks_exact(4)) {
                 let mut x = [0u8; 4];
                 x.copy_from_slice(chunk);

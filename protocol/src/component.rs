@@ -189,6 +189,15 @@ pub enum FireEventError {
     /// The connection to the parent is gone.
     #[error("the connection to the parent is closed")]
     Disconnected,
+    /// The event could not be sent (too large for the parent, say).
+    #[error("cannot send event `{event}`")]
+    Send {
+        /// The event.
+        event: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A handler failed.
     #[error("handler `{component}` failed on event `{event}`")]
     Handler {

@@ -1,8 +1,12 @@
 //! The environment contract between an executor and its ranks, and rank discovery
 //! under external launchers.
 //!
-//! The executor always sets [`vars::ENDPOINT`], [`vars::SECRET`], [`vars::LAUNCH_ID`]
-//! and [`vars::WORLD_SIZE`]. With the built-in launcher it also sets each rank's
+//! The executor always sets [`vars::ENDPOINT`], [`vars::LAUNCH_ID`] and
+//! [`vars::WORLD_SIZE`]. The secret reaches a rank it spawns through an inherited pipe
+//! ([`vars::SECRET_FD`]), so it never sits in `/proc/PID/environ`; only ranks started
+//! by an external launcher (which passes no descriptors) get [`vars::SECRET`], and it
+//! stays in their environment: [`take_secret`] never edits the environment, which is
+//! unsound while other threads run. With the built-in launcher it also sets each rank's
 //! number ([`vars::RANK`], ...) and [`vars::PARENT_PID`]. Under torchrun, mpirun or srun
 //! the launcher sets the rank, and [`discover`] reads it from whichever variables that
 //! launcher uses; [`vars::RANK_SOURCE`] can pin which one.
@@ -22,8 +26,11 @@ pub mod vars {
     pub const LOCAL_WORLD_SIZE: &str = "RANKEXEC_LOCAL_WORLD_SIZE";
     /// Where to connect (`local:PATH` or `tcp:HOST:PORT`).
     pub const ENDPOINT: &str = "RANKEXEC_ENDPOINT";
-    /// The per-launch secret (hex). The rank removes it from its environment at start.
+    /// The per-launch secret (hex), for ranks an external launcher starts.
     pub const SECRET: &str = "RANKEXEC_SECRET";
+    /// The descriptor of an inherited pipe holding the secret (hex), for ranks the
+    /// executor spawns itself. Read once, then closed.
+    pub const SECRET_FD: &str = "RANKEXEC_SECRET_FD";
     /// The launch id, echoed in every handshake.
     pub const LAUNCH_ID: &str = "RANKEXEC_LAUNCH_ID";
     /// The parent's pid, set only when the parent spawned the rank directly; the rank
@@ -38,6 +45,50 @@ pub mod vars {
     pub const CONNECT_TIMEOUT_MS: &str = "RANKEXEC_CONNECT_TIMEOUT_MS";
     /// Where a rank writes a torchrun-style `error.json` when it fails.
     pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+}
+
+/// Why a rank has no secret.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// Neither variable is set.
+    #[error("neither {} nor {} is set", vars::SECRET_FD, vars::SECRET)]
+    Missing,
+    /// The descriptor variable is not a number.
+    #[error("{var}={value:?} is not a descriptor number", var = vars::SECRET_FD, value = .0)]
+    BadFd(String),
+    /// The descriptor cannot be read.
+    #[error("cannot read the secret from descriptor {fd}")]
+    Read {
+        /// The descriptor.
+        fd: i32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// What was read is not a secret.
+    #[error("the secret from {0} is not 64 hex digits")]
+    Invalid(&'static str),
+}
+
+/// The launch secret: read from the pipe at [`vars::SECRET_FD`] (which is then closed)
+/// when set, else from [`vars::SECRET`]. `get` reads a variable. The pipe can be taken
+/// once per process.
+pub fn take_secret(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<crate::wire::Secret, SecretError> {
+    if let Some(text) = get(vars::SECRET_FD) {
+        let fd: i32 = text
+            .trim()
+            .parse()
+            .map_err(|_| SecretError::BadFd(text.clone()))?;
+        let bytes = crate::os::take_inherited_pipe(fd, 256)
+            .map_err(|source| SecretError::Read { fd, source })?;
+        let hex = String::from_utf8_lossy(&bytes);
+        return crate::wire::Secret::from_hex(&hex)
+            .map_err(|_| SecretError::Invalid(vars::SECRET_FD));
+    }
+    let hex = get(vars::SECRET).ok_or(SecretError::Missing)?;
+    crate::wire::Secret::from_hex(&hex).map_err(|_| SecretError::Invalid(vars::SECRET))
 }
 
 /// Whose variables carry the rank.
@@ -454,5 +505,49 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn the_secret_comes_from_a_pipe_once_or_from_the_environment() {
+        use std::io::Write as _;
+        use std::os::fd::{AsRawFd, IntoRawFd};
+        let hex = "ab".repeat(32);
+        let none = |_: &str| None;
+        assert!(matches!(take_secret(&none), Err(SecretError::Missing)));
+        let env_only = |k: &str| (k == vars::SECRET).then(|| hex.clone());
+        assert!(take_secret(&env_only).is_ok());
+        let bad_env = |k: &str| (k == vars::SECRET).then(|| "zz".to_owned());
+        assert!(matches!(
+            take_secret(&bad_env),
+            Err(SecretError::Invalid(vars::SECRET))
+        ));
+        let bad_fd = |k: &str| (k == vars::SECRET_FD).then(|| "three".to_owned());
+        assert!(matches!(take_secret(&bad_fd), Err(SecretError::BadFd(_))));
+        // A descriptor that is not a pipe is refused and left open.
+        let file = tempfile::tempfile().unwrap();
+        let n = file.as_raw_fd().to_string();
+        let not_pipe = |k: &str| (k == vars::SECRET_FD).then(|| n.clone());
+        let e = take_secret(&not_pipe).unwrap_err();
+        assert!(crate::error_chain(&e).contains("is not a pipe"), "{e}");
+        assert!(file.metadata().is_ok(), "still ours and open");
+        // The real thing: read to end of file, then closed.
+        let (reader, mut writer) = std::io::pipe().unwrap();
+        writer.write_all(hex.as_bytes()).unwrap();
+        drop(writer);
+        let raw = reader.into_raw_fd();
+        let text = raw.to_string();
+        let pipe = |k: &str| (k == vars::SECRET_FD).then(|| text.clone());
+        assert_eq!(take_secret(&pipe).unwrap().to_hex(), hex);
+        assert!(
+            std::fs::read_link(format!("/proc/self/fd/{raw}"))
+                .is_ok_and(|t| !t.to_string_lossy().starts_with("pipe:"))
+                || std::fs::read_link(format!("/proc/self/fd/{raw}")).is_err(),
+            "the pipe is closed once read"
+        );
+        // Taken once: a second take is refused even if the number names a pipe again.
+        let (r2, _w2) = std::io::pipe().unwrap();
+        let text2 = r2.as_raw_fd().to_string();
+        let again = |k: &str| (k == vars::SECRET_FD).then(|| text2.clone());
+        assert!(take_secret(&again).is_err());
     }
 }

@@ -41,7 +41,7 @@ impl Blob {
 
     /// Wraps bytes mapped from a sealed memory file, keeping the file for forwarding.
     ///
-    /// The caller guarantees that `memfd` is sealed against writes and shrinking and that
+    /// The caller guarantees that `memfd` is sealed against writes, shrinking and growing and that
     /// `bytes` is a mapping of its contents.
     pub fn from_sealed_memfd(bytes: Bytes, memfd: Arc<OwnedFd>) -> Self {
         Blob {

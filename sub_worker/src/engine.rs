@@ -18,7 +18,7 @@ use rankexec_protocol::wire::Message;
 use rankexec_protocol::wire::message::Props;
 use rankexec_protocol::{Component, Engine, EventType, FireEventError, FlContext};
 
-use crate::link::Link;
+use crate::link::{Link, SendError};
 
 type Pending = Mutex<HashMap<u64, Sender<Result<Props, String>>>>;
 
@@ -108,9 +108,19 @@ impl Engine for RankEngine {
             event: event.clone(),
             props: ctx.props().clone(),
         };
-        if self.link.send(&msg).is_err() {
-            self.complete(request_id, Err(String::new()));
-            return Err(FireEventError::Disconnected);
+        match self.link.send(&msg) {
+            Ok(()) => {}
+            Err(e @ (SendError::Encode(..) | SendError::TooLarge(..))) => {
+                self.complete(request_id, Err(String::new()));
+                return Err(FireEventError::Send {
+                    event: event.to_string(),
+                    source: Box::new(e),
+                });
+            }
+            Err(SendError::Frame(..)) => {
+                self.complete(request_id, Err(String::new()));
+                return Err(FireEventError::Disconnected);
+            }
         }
         match rx.recv_timeout(self.event_timeout) {
             Ok(Ok(props)) => {

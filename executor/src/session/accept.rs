@@ -2,8 +2,14 @@
 //!
 //! One thread waits on the listener (and a waker) with `poll(2)`. Each accepted
 //! connection is authenticated on its own short-lived thread, so a peer that connects
-//! and says nothing holds up nobody; at most [`MAX_PENDING`] handshakes run at once and
-//! each has a deadline. A connection is refused, with the reason logged and sent to the
+//! and says nothing holds up nobody. At most [`max_pending`] handshakes run at once
+//! (three per rank plus [`MAX_PENDING`] to spare: the limit grows with the group), each
+//! has a deadline, and a slot is given back however its thread ends (a guard, even if
+//! the thread cannot start). A connection over the limit is closed at once; ranks
+//! retry with back-off ([`rankexec_protocol::wire::dial`]), so idle connections can
+//! delay start-up by at most one handshake deadline, never deny it. Once the group is
+//! ready ([`AcceptPolicy::stop_accepting`]) the acceptor stops and the listener
+//! closes. A connection is refused, with the reason logged and sent to the
 //! peer, when:
 //!
 //! - its peer runs as another user (local sockets, `SO_PEERCRED`);
@@ -14,6 +20,21 @@
 //! - with the built-in launcher, its pid is not the pid spawned for that rank.
 //!
 //! Refused connections never disturb the group: valid ranks keep connecting.
+//!
+//! # Whose pid
+//!
+//! A rank's pid and process group in its hello are claims, never used to signal
+//! anything. On a local socket the kernel names the peer (`SO_PEERCRED`); for a rank we
+//! did not spawn (external launchers) the handshake thread opens a pidfd for that pid
+//! and reads its process group from the OS, and [`Connected::peer`] carries them as a
+//! [`PeerProcess::Local`]. A TCP peer is [`PeerProcess::Remote`]: it may be on another
+//! host, so nothing of ours ever signals it; it is torn down through `Close` and its
+//! launcher.
+//!
+//! Caveat: `SO_PEERCRED` names the process that called `connect`. The pidfd is opened
+//! once the handshake succeeds, so a peer that exits during its own handshake and whose
+//! pid is reused within those milliseconds would name another process of the same user
+//! (a peer of another user is refused before).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,12 +42,26 @@ use std::time::Duration;
 
 use rankexec_protocol::wire::message::{Hello, Identity};
 use rankexec_protocol::wire::{Channel, Conn, Listener, Secret, effective_uid, server_handshake};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::os::{self, Waker};
 
-/// Most handshakes in progress at once.
+/// Handshakes in progress allowed beyond three per rank.
 pub const MAX_PENDING: usize = 64;
+
+/// Most handshakes in progress at once for a group of `world` ranks.
+pub fn max_pending(world: u32) -> usize {
+    3 * world as usize + MAX_PENDING
+}
+
+/// Gives a handshake slot back when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// How long the acceptor waits after a failed `accept` before trying again.
 const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
@@ -45,6 +80,8 @@ pub(crate) struct AcceptPolicy {
     pub(crate) expected_pids: Vec<Option<u32>>,
     pub(crate) handshake_timeout: Duration,
     slots: Mutex<Slots>,
+    /// The acceptor to stop once start-up is over.
+    acceptor: Mutex<Option<Acceptor>>,
 }
 
 impl AcceptPolicy {
@@ -65,21 +102,41 @@ impl AcceptPolicy {
                 accepting: true,
                 seen: vec![[false; 3]; world as usize],
             }),
+            acceptor: Mutex::new(None),
         }
     }
 
-    /// Ends start-up: every later connection is refused.
+    /// Ends start-up: every later connection is refused, the acceptor stops and the
+    /// listener closes.
     pub(crate) fn stop_accepting(&self) {
         self.slots
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .accepting = false;
+        let acceptor = self
+            .acceptor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(acceptor);
     }
 
     /// Records the pid spawned for `rank` (built-in launcher).
     pub(crate) fn expect_pid(&mut self, rank: u32, pid: u32) {
         if let Some(slot) = self.expected_pids.get_mut(rank as usize) {
             *slot = Some(pid);
+        }
+    }
+
+    /// The process behind a connection of `rank`: a pidfd is opened only for a local
+    /// rank we did not spawn (ours have theirs from the spawn on).
+    fn peer(&self, rank: u32, peer_pid: Option<u32>) -> PeerProcess {
+        match peer_pid {
+            None => PeerProcess::Remote,
+            Some(pid) => match self.expected_pids.get(rank as usize) {
+                Some(Some(_)) => PeerProcess::Spawned { pid },
+                _ => PeerProcess::open(pid),
+            },
         }
     }
 
@@ -130,12 +187,69 @@ pub(crate) struct Connected {
     pub(crate) channel: Channel,
     pub(crate) conn: Conn,
     pub(crate) hello: Hello,
+    /// The process at the other end, as the kernel (not the hello) says.
+    pub(crate) peer: PeerProcess,
 }
 
-/// The acceptor thread; stops (and closes the listener) when dropped.
+/// The process behind a connection, as far as the OS can vouch for it.
+#[derive(Debug)]
+pub(crate) enum PeerProcess {
+    /// A rank we spawned (its pid matched the spawned one): already tracked.
+    Spawned { pid: u32 },
+    /// A process on this host named by `SO_PEERCRED`, held by a pidfd, with its process
+    /// group read from the OS.
+    Local { pid: u32, pgid: u32, pidfd: OwnedFd },
+    /// A local peer whose pidfd could not be opened (it has exited): nothing to signal.
+    Gone { pid: u32 },
+    /// A TCP peer, perhaps on another host: never signalled.
+    Remote,
+}
+
+impl PeerProcess {
+    /// The verified local pid, if there is one.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        match self {
+            PeerProcess::Spawned { pid }
+            | PeerProcess::Local { pid, .. }
+            | PeerProcess::Gone { pid } => Some(*pid),
+            PeerProcess::Remote => None,
+        }
+    }
+
+    /// Opens a pidfd for a local peer named by `SO_PEERCRED`.
+    fn open(pid: u32) -> PeerProcess {
+        let opened = os::pidfd_open(pid).and_then(|fd| {
+            let pgid = os::pgid_of(pid)?;
+            // The group read above is this process's only if it still lives.
+            if os::exited(&fd)? {
+                return Err(std::io::Error::from(std::io::ErrorKind::NotFound));
+            }
+            Ok((fd, pgid))
+        });
+        match opened {
+            Ok((pidfd, pgid)) => PeerProcess::Local { pid, pgid, pidfd },
+            Err(e) => {
+                tracing::debug!(pid, error = %e, "cannot hold the peer's process");
+                PeerProcess::Gone { pid }
+            }
+        }
+    }
+}
+
+/// The acceptor thread; stops (and closes the listener) when dropped, or when its
+/// policy stops accepting, whichever comes first.
 pub(crate) struct Acceptor {
     waker: Arc<Waker>,
     stop: Arc<AtomicBool>,
+}
+
+impl Acceptor {
+    fn handle(&self) -> Acceptor {
+        Acceptor {
+            waker: self.waker.clone(),
+            stop: self.stop.clone(),
+        }
+    }
 }
 
 impl Drop for Acceptor {
@@ -154,12 +268,17 @@ impl Acceptor {
     ) -> std::io::Result<Acceptor> {
         let waker = Arc::new(Waker::new()?);
         let stop = Arc::new(AtomicBool::new(false));
-        let (w, s) = (waker.clone(), stop.clone());
+        let acceptor = Acceptor { waker, stop };
+        *policy
+            .acceptor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(acceptor.handle());
+        let (w, s) = (acceptor.waker.clone(), acceptor.stop.clone());
         let span = tracing::Span::current();
         std::thread::Builder::new()
             .name("rx-accept".into())
             .spawn(move || span.in_scope(|| accept_loop(&listener, &policy, &report, &w, &s)))?;
-        Ok(Acceptor { waker, stop })
+        Ok(acceptor)
     }
 }
 
@@ -171,6 +290,7 @@ fn accept_loop(
     stop: &AtomicBool,
 ) {
     let pending = Arc::new(AtomicUsize::new(0));
+    let limit = max_pending(policy.world);
     let uid = effective_uid();
     let mut back_off = false;
     loop {
@@ -227,12 +347,13 @@ fn accept_loop(
                 }
                 None => None,
             };
-            if pending.fetch_add(1, Ordering::SeqCst) >= MAX_PENDING {
-                pending.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!(%peer, "refused connection: {MAX_PENDING} handshakes already in progress");
+            let slot = Slot(pending.clone());
+            if pending.fetch_add(1, Ordering::SeqCst) >= limit {
+                drop(slot);
+                tracing::warn!(%peer, "refused connection: {limit} handshakes already in progress (the rank retries)");
                 continue;
             }
-            let (policy, report, pending) = (policy.clone(), report.clone(), pending.clone());
+            let (policy, report) = (policy.clone(), report.clone());
             let span = tracing::Span::current();
             let spawned = std::thread::Builder::new()
                 .name("rx-handshake".into())
@@ -244,11 +365,12 @@ fn accept_loop(
                             policy.handshake_timeout,
                             |h| policy.admit(h, peer_pid),
                         );
-                        pending.fetch_sub(1, Ordering::SeqCst);
+                        drop(slot);
                         match hs {
                             Ok(hello) => report(Connected {
                                 rank: hello.who.rank,
                                 channel: hello.who.channel,
+                                peer: policy.peer(hello.who.rank, peer_pid),
                                 conn,
                                 hello,
                             }),

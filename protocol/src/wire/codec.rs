@@ -25,6 +25,14 @@ pub enum CodecError {
     /// The bytes are not a valid header.
     #[error("malformed header")]
     Decode(#[source] BoxError),
+    /// The encoded header is over [`MAX_HEADER_BYTES`]: no reader would accept it.
+    #[error("header of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// The encoded length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The header decoded but bytes were left over.
     #[error("header has {extra} trailing bytes")]
     Trailing {
@@ -38,8 +46,19 @@ fn config() -> impl bincode::config::Config {
 }
 
 /// Encodes a value.
+///
+/// A header over [`MAX_HEADER_BYTES`] is refused here, on the sending side, so its
+/// length never wraps the frame's `u32` field and no receiver has to refuse it.
 pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
-    bincode::serde::encode_to_vec(value, config()).map_err(|e| CodecError::Encode(Box::new(e)))
+    let bytes = bincode::serde::encode_to_vec(value, config())
+        .map_err(|e| CodecError::Encode(Box::new(e)))?;
+    if bytes.len() > MAX_HEADER_BYTES {
+        return Err(CodecError::TooLarge {
+            len: bytes.len(),
+            max: MAX_HEADER_BYTES,
+        });
+    }
+    Ok(bytes)
 }
 
 /// Decodes a value that must use every byte of `bytes`.

@@ -13,6 +13,9 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::{Arc, OnceLock};
+
+use super::secure::{Channel, Keys};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -101,7 +104,7 @@ impl Endpoint {
                     match TcpStream::connect_timeout(&sa, left) {
                         Ok(s) => {
                             s.set_nodelay(true)?;
-                            return Ok(Conn::Tcp(s));
+                            return Ok(Conn::Tcp(TcpConn::new(s)));
                         }
                         Err(e) => last = e,
                     }
@@ -125,15 +128,45 @@ fn local_stream(s: interprocess::local_socket::Stream) -> UnixStream {
 pub enum Conn {
     /// A local (Unix domain) socket.
     Local(UnixStream),
-    /// A TCP socket.
-    Tcp(TcpStream),
+    /// A TCP socket; encrypted and authenticated record by record once its handshake
+    /// is done (see `wire::secure`).
+    Tcp(TcpConn),
+}
+
+/// A TCP connection and its record layer (shared by every handle of it).
+#[derive(Debug)]
+pub struct TcpConn {
+    stream: TcpStream,
+    channel: Arc<OnceLock<Channel>>,
+}
+
+impl TcpConn {
+    fn new(stream: TcpStream) -> TcpConn {
+        TcpConn {
+            stream,
+            channel: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// The socket underneath (its bytes are records once the handshake is done).
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Whether the record layer is on.
+    pub fn is_secure(&self) -> bool {
+        self.channel.get().is_some()
+    }
 }
 
 impl Read for &Conn {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Conn::Local(s) => (&mut &*s).read(buf),
-            Conn::Tcp(s) => (&mut &*s).read(buf),
+            Conn::Tcp(t) => match t.channel.get() {
+                Some(c) => c.read(&t.stream, buf),
+                None => (&mut &t.stream).read(buf),
+            },
         }
     }
 }
@@ -142,13 +175,23 @@ impl Write for &Conn {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Conn::Local(s) => (&mut &*s).write(buf),
-            Conn::Tcp(s) => (&mut &*s).write(buf),
+            Conn::Tcp(t) => match t.channel.get() {
+                Some(c) => c.write(&t.stream, buf),
+                None => (&mut &t.stream).write(buf),
+            },
         }
     }
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Conn::Local(s) => (&mut &*s).write_vectored(bufs),
-            Conn::Tcp(s) => (&mut &*s).write_vectored(bufs),
+            Conn::Tcp(t) => match t.channel.get() {
+                // One record per call, from the first non-empty slice.
+                Some(c) => match bufs.iter().find(|b| !b.is_empty()) {
+                    Some(b) => c.write(&t.stream, b),
+                    None => Ok(0),
+                },
+                None => (&mut &t.stream).write_vectored(bufs),
+            },
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -160,7 +203,7 @@ impl AsFd for Conn {
     fn as_fd(&self) -> BorrowedFd<'_> {
         match self {
             Conn::Local(s) => s.as_fd(),
-            Conn::Tcp(s) => s.as_fd(),
+            Conn::Tcp(t) => t.stream.as_fd(),
         }
     }
 }
@@ -176,7 +219,7 @@ impl Conn {
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
             Conn::Local(s) => s.set_read_timeout(t),
-            Conn::Tcp(s) => s.set_read_timeout(t),
+            Conn::Tcp(c) => c.stream.set_read_timeout(t),
         }
     }
 
@@ -184,7 +227,7 @@ impl Conn {
     pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
             Conn::Local(s) => s.set_write_timeout(t),
-            Conn::Tcp(s) => s.set_write_timeout(t),
+            Conn::Tcp(c) => c.stream.set_write_timeout(t),
         }
     }
 
@@ -193,7 +236,7 @@ impl Conn {
     pub fn shutdown(&self) {
         let _ = match self {
             Conn::Local(s) => s.shutdown(Shutdown::Both),
-            Conn::Tcp(s) => s.shutdown(Shutdown::Both),
+            Conn::Tcp(t) => t.stream.shutdown(Shutdown::Both),
         };
     }
 
@@ -201,8 +244,19 @@ impl Conn {
     pub fn try_clone(&self) -> io::Result<Conn> {
         Ok(match self {
             Conn::Local(s) => Conn::Local(s.try_clone()?),
-            Conn::Tcp(s) => Conn::Tcp(s.try_clone()?),
+            Conn::Tcp(t) => Conn::Tcp(TcpConn {
+                stream: t.stream.try_clone()?,
+                channel: t.channel.clone(),
+            }),
         })
+    }
+
+    /// Turns the record layer on (TCP; after a successful handshake). Local sockets
+    /// need none: only processes of our user can reach them.
+    pub(crate) fn secure(&self, keys: &Keys) {
+        if let Conn::Tcp(t) = self {
+            let _ = t.channel.set(Channel::new(keys));
+        }
     }
 
     /// Whether file descriptors can be passed on this connection.
@@ -225,7 +279,8 @@ impl Conn {
                 Ok((pid, uid)) => format!("local peer pid {pid} uid {uid}"),
                 Err(_) => "local peer".to_owned(),
             },
-            Conn::Tcp(s) => s
+            Conn::Tcp(t) => t
+                .stream
                 .peer_addr()
                 .map_or_else(|_| "tcp peer".to_owned(), |a| format!("tcp peer {a}")),
         }
@@ -299,7 +354,7 @@ impl Listener {
             Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
                 s.set_nonblocking(false)?;
                 s.set_nodelay(true)?;
-                Ok(Conn::Tcp(s))
+                Ok(Conn::Tcp(TcpConn::new(s)))
             }),
         };
         match res {

@@ -347,6 +347,18 @@ mod tests {
     }
 
     #[test]
+    fn oversized_headers_are_refused_by_the_sender() {
+        let msg = Message::InitAck {
+            result: Err(super::super::message::RankError {
+                class: crate::ErrorClass::Exception,
+                message: "x".repeat(codec::MAX_HEADER_BYTES + 1),
+            }),
+        };
+        let err = plain(&msg).unwrap_err();
+        assert!(matches!(err, CodecError::TooLarge { .. }), "{err}");
+    }
+
+    #[test]
     fn inline_mismatch_and_bad_fd_indexes_are_refused() {
         let wire = WireShareable {
             meta: Default::default(),

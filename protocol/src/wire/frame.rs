@@ -9,13 +9,19 @@
 //! 20      ...   header, then body
 //! ```
 //!
-//! Every length is checked against [`FrameLimits`] before anything is allocated, and the
+//! Every length is checked against [`FrameLimits`] before anything is allocated (the
+//! sizes of passed memory files count as body), and the
 //! body buffer grows with the bytes that actually arrive, so a peer that claims a huge
 //! frame and sends little costs little. Descriptors arrive with the prefix; a count that
 //! differs from what was passed is refused and the descriptors are closed.
 //!
 //! A frame is encoded once ([`OutFrame`]) and can be written to any number of
 //! connections: fan-out writes the same buffers to N sockets.
+//!
+//! Sizes are checked on the sending side too: [`FrameLimits::check`] measures a frame
+//! (header, inline body and the sizes of its memory files) against the receiver's
+//! limits before it is written, so a sender learns "too large" as an error of its own
+//! instead of the receiver dropping the connection.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -62,6 +68,34 @@ impl FrameLimits {
             max_body: max_frame_bytes,
             max_fds: MAX_FDS_PER_FRAME,
         }
+    }
+}
+
+impl FrameLimits {
+    /// Checks an outgoing frame against these limits: the header, then the inline body
+    /// plus the memory files' sizes (a receiver maps those too), then the descriptors.
+    pub fn check(&self, frame: &OutFrame) -> Result<(), FrameError> {
+        let header = (frame.head.len() - PREFIX_LEN) as u64;
+        if header > u64::from(self.max_header) {
+            return Err(FrameError::HeaderTooLarge {
+                len: header,
+                max: self.max_header.into(),
+            });
+        }
+        let len = frame.payload_len()?;
+        if len > self.max_body {
+            return Err(FrameError::BodyTooLarge {
+                len,
+                max: self.max_body,
+            });
+        }
+        if frame.fds.len() > self.max_fds as usize {
+            return Err(FrameError::TooManyFds {
+                count: u32::try_from(frame.fds.len()).unwrap_or(u32::MAX),
+                max: self.max_fds,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -159,7 +193,13 @@ impl OutFrame {
         let body_len: u64 = body.iter().map(|b| b.len() as u64).sum();
         let mut head = Vec::with_capacity(PREFIX_LEN + header.len());
         head.extend_from_slice(&MAGIC);
-        head.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        // Headers come from `codec::encode`, which refuses any over 64 MiB; a longer one
+        // would be announced as `u32::MAX` and refused by every reader, never wrapped.
+        head.extend_from_slice(
+            &u32::try_from(header.len())
+                .unwrap_or(u32::MAX)
+                .to_le_bytes(),
+        );
         head.extend_from_slice(&body_len.to_le_bytes());
         head.extend_from_slice(&(fds.len() as u32).to_le_bytes());
         head.extend_from_slice(header);
@@ -174,6 +214,29 @@ impl OutFrame {
     /// Bytes on the wire (descriptors not counted).
     pub fn wire_len(&self) -> u64 {
         self.head.len() as u64 + self.body.iter().map(|b| b.len() as u64).sum::<u64>()
+    }
+
+    /// The blob bytes the frame carries: its inline body plus the size of every memory
+    /// file it passes.
+    pub fn payload_len(&self) -> Result<u64, FrameError> {
+        let mut len: u64 = self.body.iter().map(|b| b.len() as u64).sum();
+        for fd in &self.fds {
+            let size = rustix::fs::fstat(fd.as_fd())
+                .map_err(|e| FrameError::Io(e.into()))?
+                .st_size;
+            len = len.saturating_add(u64::try_from(size).unwrap_or(0));
+        }
+        Ok(len)
+    }
+
+    /// The frame's bytes as a local socket carries them (descriptors not included):
+    /// for tools and tests that play a peer.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = self.head.clone();
+        for b in &self.body {
+            out.extend_from_slice(b);
+        }
+        out
     }
 
     /// Whether the frame passes descriptors.
@@ -203,9 +266,15 @@ impl OutFrame {
     /// a partial write with [`write_rest`](Self::write_rest). This lets a single
     /// dispatcher thread send small frames to many peers without a thread hop, and hand
     /// only a stuck peer's frame to a writer thread.
+    ///
+    /// On TCP nothing goes out here (`Ok(0)`): bytes there travel in encrypted records,
+    /// which are written whole by [`write_rest`](Self::write_rest).
     pub fn try_write_now(&self, conn: &Conn) -> Result<u64, FrameError> {
         if !self.fds.is_empty() && !conn.passes_fds() {
             return Err(FrameError::FdsUnsupported("tcp"));
+        }
+        if !conn.passes_fds() {
+            return Ok(0);
         }
         let slices = self.slices();
         let fds: Vec<BorrowedFd<'_>> = self.fds.iter().map(|f| f.as_fd()).collect();
@@ -280,7 +349,9 @@ fn read_prefix(
             }
             Ok(n) => got += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            // recvmsg's way of saying "more descriptors than allowed" (local only; on
+            // TCP the record layer uses this kind for a refused record).
+            Err(e) if e.kind() == io::ErrorKind::InvalidData && conn.passes_fds() => {
                 return Err(FrameError::TooManyFds {
                     count: u32::try_from(fds.len()).unwrap_or(u32::MAX),
                     max: limits.max_fds,
@@ -360,6 +431,21 @@ pub fn read_frame(conn: &Conn, limits: &FrameLimits) -> Result<InFrame, FrameErr
         return Err(FrameError::FdMismatch {
             declared: fd_count,
             received: fds.len(),
+        });
+    }
+    // Memory files count against the body limit too: a receiver maps them. They are
+    // sealed against growing (checked before mapping), so their size now is final.
+    let mut total = body_len;
+    for fd in &fds {
+        let size = rustix::fs::fstat(fd.as_fd())
+            .map_err(|e| FrameError::Io(e.into()))?
+            .st_size;
+        total = total.saturating_add(u64::try_from(size).unwrap_or(0));
+    }
+    if total > limits.max_body {
+        return Err(FrameError::BodyTooLarge {
+            len: total,
+            max: limits.max_body,
         });
     }
     let mut header = vec![0u8; header_len as usize];
@@ -495,6 +581,36 @@ mod tests {
             }) => {}
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn senders_check_header_body_and_memory_files() {
+        let small = FrameLimits::for_max_frame(100);
+        let fd = Arc::new(os::sealed_memfd("t", &[&[0u8; 80]]).unwrap());
+        let f = OutFrame::new(b"h", vec![Bytes::from(vec![1u8; 30])], vec![fd.clone()]);
+        assert_eq!(f.payload_len().unwrap(), 110);
+        let err = small.check(&f).unwrap_err();
+        assert!(
+            matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),
+            "{err}"
+        );
+        assert!(
+            small
+                .check(&OutFrame::new(b"h", vec![], vec![fd.clone()]))
+                .is_ok()
+        );
+        // The reader counts memory files against its limit as well.
+        let (a, b) = Conn::pair().unwrap();
+        f.write_to(&a).unwrap();
+        let err = read_frame(&b, &small).unwrap_err();
+        assert!(
+            matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),
+            "{err}"
+        );
+        let err = small
+            .check(&OutFrame::header_only(&[0u8; 101]))
+            .unwrap_err();
+        assert!(matches!(err, FrameError::HeaderTooLarge { .. }), "{err}");
     }
 
     #[test]

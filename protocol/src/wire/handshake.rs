@@ -26,6 +26,7 @@ use super::codec::{self, CodecError};
 use super::conn::Conn;
 use super::frame::{FrameError, FrameLimits, OutFrame, read_frame};
 use super::message::{Handshake, Hello, Identity, Mac, Nonce, PROTOCOL_VERSION};
+use super::secure::Keys;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -212,6 +213,31 @@ fn welcome_mac(secret: &Secret, challenge: &Nonce, h: &Hello) -> HmacSha256 {
     )
 }
 
+/// The record-layer keys of a TCP connection, from the secret and both nonces: one
+/// key per direction, fresh for every connection.
+fn record_keys(secret: &Secret, challenge: &Nonce, h: &Hello, server: bool) -> Keys {
+    let key = |label: &[u8]| -> [u8; 32] {
+        secret
+            .mac(label, &[challenge, &h.nonce])
+            .finalize()
+            .into_bytes()
+            .into()
+    };
+    let to_server = key(b"rankexec/v1/tcp-record/rank-to-parent");
+    let to_rank = key(b"rankexec/v1/tcp-record/parent-to-rank");
+    if server {
+        Keys {
+            send: to_rank,
+            recv: to_server,
+        }
+    } else {
+        Keys {
+            send: to_server,
+            recv: to_rank,
+        }
+    }
+}
+
 /// The parent's side. `admit` decides, after authentication, whether this rank and
 /// channel are welcome (range, duplicates, start-up state); its error text is sent to
 /// the peer and returned as [`HandshakeError::Refused`].
@@ -281,6 +307,8 @@ pub fn server_handshake(
     send(conn, &Handshake::Welcome { mac })?;
     conn.set_read_timeout(None).map_err(FrameError::from)?;
     conn.set_write_timeout(None).map_err(FrameError::from)?;
+    // Everything after the Welcome is in authenticated, encrypted records (TCP).
+    conn.secure(&record_keys(secret, &challenge, &hello, true));
     Ok(hello)
 }
 
@@ -343,6 +371,7 @@ pub fn client_handshake(
     }
     conn.set_read_timeout(None).map_err(FrameError::from)?;
     conn.set_write_timeout(None).map_err(FrameError::from)?;
+    conn.secure(&record_keys(secret, &challenge, &hello, false));
     Ok(())
 }
 

@@ -5,16 +5,21 @@
 //! - [`frame`]: length-prefixed frames with raw blob bodies and passed descriptors.
 //! - [`envelope`]: shareables in and out of frames (inline or sealed memory files).
 //! - [`handshake`]: mutual HMAC authentication of every connection.
+//! - [`secure`]: the TCP record layer (encryption and authentication after the handshake).
 //! - [`conn`]: local and TCP connections, endpoints and listeners.
+//! - [`dial`](mod@dial): a rank connecting and authenticating, with back-off while the parent is busy.
 
 pub mod codec;
 pub mod conn;
+pub mod dial;
 pub mod envelope;
 pub mod frame;
 pub mod handshake;
 pub mod message;
+pub mod secure;
 
-pub use conn::{Conn, Endpoint, EndpointParseError, Listener, effective_uid};
+pub use conn::{Conn, Endpoint, EndpointParseError, Listener, TcpConn, effective_uid};
+pub use dial::{DialError, dial};
 pub use envelope::{BlobPolicy, PackError, UnpackError};
 pub use frame::{FrameError, FrameLimits, InFrame, OutFrame};
 pub use handshake::{HandshakeError, Secret, client_handshake, server_handshake};

@@ -158,35 +158,10 @@ pub(super) fn pack_output(
 }
 
 pub(super) fn send_result(rank: &Rank, task_id: u64, outcome: Result<Packed, RankError>) {
-    let (msg, body, fds) = match outcome {
-        Ok((out, body, fds)) => (
-            Message::TaskResult {
-                task_id,
-                outcome: Ok(out),
-            },
-            body,
-            fds,
-        ),
-        Err(e) => (
-            Message::TaskResult {
-                task_id,
-                outcome: Err(e),
-            },
-            Vec::new(),
-            Vec::new(),
-        ),
-    };
-    let sent = envelope::frame(&msg, body, fds)
-        .map_err(|e| chain(&e))
-        .and_then(|f| {
-            rank.exec
-                .send_frame("TaskResult", &f)
-                .map_err(|e| chain(&e))
-        });
-    if let Err(e) = sent {
+    if let Err(e) = rank.exec.send_task_result(task_id, outcome) {
         if rank.closing() {
             return;
         }
-        warn!("cannot send the task result: {e}");
+        warn!("cannot send the task result: {}", chain(&e));
     }
 }

@@ -43,7 +43,7 @@ use std::sync::{Arc, Mutex};
 use rankexec_protocol::env::RankEnv;
 use rankexec_protocol::wire::envelope::BlobPolicy;
 use rankexec_protocol::wire::message::Props;
-use rankexec_protocol::wire::{Channel, FrameLimits, Identity, client_handshake};
+use rankexec_protocol::wire::{Channel, FrameLimits, Identity};
 use rankexec_protocol::{Registry, Shareable, Signal};
 use tracing::{error, info_span, warn};
 
@@ -142,14 +142,6 @@ fn parent_limits() -> FrameLimits {
 }
 
 fn connect(settings: &Settings, channel: Channel) -> Result<Link, StartupError> {
-    let conn = settings
-        .endpoint
-        .connect(settings.connect_timeout)
-        .map_err(|source| StartupError::Connect {
-            channel: channel.as_str(),
-            endpoint: settings.endpoint.to_string(),
-            source,
-        })?;
     let who = Identity {
         channel,
         rank: settings.env.rank,
@@ -159,12 +151,24 @@ fn connect(settings: &Settings, channel: Channel) -> Result<Link, StartupError> 
         pgid: os::pgid(),
         host: os::hostname(),
     };
-    client_handshake(&conn, &settings.secret, &who, settings.connect_timeout).map_err(
-        |source| StartupError::Handshake {
+    // Retries, with back-off, a parent too busy to take the connection yet.
+    let conn = rankexec_protocol::wire::dial(
+        &settings.endpoint,
+        &settings.secret,
+        &who,
+        settings.connect_timeout,
+    )
+    .map_err(|e| match e {
+        rankexec_protocol::wire::DialError::Connect { source, .. } => StartupError::Connect {
+            channel: channel.as_str(),
+            endpoint: settings.endpoint.to_string(),
+            source,
+        },
+        rankexec_protocol::wire::DialError::Handshake { source, .. } => StartupError::Handshake {
             channel: channel.as_str(),
             source,
         },
-    )?;
+    })?;
     Ok(Link::new(conn))
 }
 

@@ -1,0 +1,97 @@
+//! Sizes are checked by the sender. An input whose header is over the codec's limit is
+//! the caller's error (`ExecuteError::Input`), not a dead rank; a rank honours the
+//! group's `max_frame` (memory files included) and turns an oversized result into a
+//! clear protocol error for the task, and lives on.
+
+mod common;
+
+use common::*;
+use rankexec::executor::{ByteSize, ExecuteError, MultiProcessExecutor, TransportConfig};
+use rankexec::protocol::{ErrorClass, Shareable, Signal, Value};
+
+#[test]
+fn an_oversized_input_header_is_the_callers_error() {
+    let logs = tempfile::tempdir().unwrap();
+    let exec =
+        MultiProcessExecutor::new(config(2, "Echo", serde_json::json!({}), logs.path())).unwrap();
+    let mut ctx = start(&exec);
+    let pids = exec.live_pids();
+    let huge = "x".repeat(65 << 20);
+    let err = exec
+        .run_task(
+            "t",
+            Shareable::new().with_meta("big", huge),
+            &mut ctx,
+            &Signal::new(),
+        )
+        .unwrap_err();
+    assert!(matches!(err, ExecuteError::Input(_)), "{err:?}");
+    let text = chain(&err);
+    assert!(text.contains("exceeds the limit"), "{text}");
+    // No rank saw it, none died, and the group works.
+    let out = exec
+        .run_task("t", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap();
+    assert_eq!(out.meta("rank"), Some(&Value::Int(0)));
+    assert_eq!(exec.live_pids(), pids);
+    eprintln!("65 MiB meta value: {text}");
+    exec.finalize().unwrap();
+}
+
+fn oversized_result_is_a_clear_error(tcp: bool) {
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = config(2, "Echo", serde_json::json!({}), logs.path());
+    cfg.max_frame = ByteSize(1 << 20);
+    if tcp {
+        cfg.transport = TransportConfig::Tcp {
+            bind: "127.0.0.1:0".into(),
+            advertise: None,
+        };
+    }
+    let exec = MultiProcessExecutor::new(cfg).unwrap();
+    let mut ctx = start(&exec);
+    let pids = exec.live_pids();
+    // 2 MiB goes to the ranks (their limit on the parent is generous) as a memory file
+    // (local) or inline (TCP); rank 0 echoes it back, over the group's 1 MiB.
+    let err = exec
+        .run_task(
+            "t",
+            Shareable::new().with_blob("m", vec![7u8; 2 << 20]),
+            &mut ctx,
+            &Signal::new(),
+        )
+        .unwrap_err();
+    let text = chain(&err);
+    assert_eq!(err.class(), ErrorClass::Protocol, "{text}");
+    assert!(
+        text.contains("larger than the parent accepts")
+            && text.contains("exceeds the limit of 1048576"),
+        "{text}"
+    );
+    // The rank was not torn down for it: the same processes run the next task.
+    let out = exec
+        .run_task(
+            "t",
+            Shareable::new().with_blob("m", vec![7u8; 1000]),
+            &mut ctx,
+            &Signal::new(),
+        )
+        .unwrap();
+    assert_eq!(out.blob("m").map(|b| b.len()), Some(1000));
+    assert_eq!(exec.live_pids(), pids);
+    eprintln!(
+        "{}: 2 MiB result over max_frame 1 MiB: {text}",
+        if tcp { "tcp" } else { "local" }
+    );
+    exec.finalize().unwrap();
+}
+
+#[test]
+fn an_oversized_shared_result_is_refused_by_the_rank() {
+    oversized_result_is_a_clear_error(false);
+}
+
+#[test]
+fn an_oversized_inline_result_is_refused_by_the_rank() {
+    oversized_result_is_a_clear_error(true);
+}
