@@ -79,7 +79,7 @@ def med(xs: list[float]) -> float:
 def roundtrip(n: int, count: int, python: bool) -> dict:
     h = Host()
     try:
-        h.send(op="start", config=config(n, "bench_components:Empty" if python else "Echo", python))
+        h.send(op="start", config=config(n, "bench_empty:Empty" if python else "Echo", python))
         h.send(op="rtt", n=50)  # warm-up
         us = h.send(op="rtt", n=count)["us"]
         h.send(op="stop")
@@ -89,30 +89,47 @@ def roundtrip(n: int, count: int, python: bool) -> dict:
     return {"median_us": med(us), "p99_us": us[int(0.99 * (len(us) - 1))], "count": len(us)}
 
 
-def startup(n: int, reps: int, python: bool) -> dict:
-    ms = []
-    for _ in range(reps):
-        h = Host()
-        try:
-            cfg = config(n, "bench_components:Empty" if python else "Echo", python)
-            ms.append(h.send(op="start", config=cfg)["ms"])
-            h.send(op="stop")
-        finally:
-            h.close()
-    return {"median_ms": med(ms), "min_ms": min(ms), "max_ms": max(ms), "count": reps}
+def start_group(n: int, python: bool) -> float:
+    h = Host()
+    try:
+        cfg = config(n, "bench_empty:Empty" if python else "Echo", python)
+        ms = h.send(op="start", config=cfg)["ms"]
+        h.send(op="stop")
+    finally:
+        h.close()
+    return ms
 
 
-def interpreter(n: int, reps: int, code: str) -> dict:
+def start_interpreters(n: int, code: str) -> float:
     """`n` interpreters started at once (as the executor starts its ranks), until all
     have exited."""
-    ms = []
+    t = time.perf_counter()
+    ps = [subprocess.Popen([sys.executable, "-c", code], env=env()) for _ in range(n)]
+    for p in ps:
+        p.wait()
+    return (time.perf_counter() - t) * 1e3
+
+
+def startup(n: int, reps: int) -> dict[str, dict]:
+    """Spawn to ready of `n` Python ranks and of `n` Rust ranks, beside `n` bare
+    interpreters running `pass` and `import rankexec`, interleaved rep by rep so that
+    the machine's load affects them alike."""
+    runs: dict[str, list[float]] = {"python": [], "rust": [], "pass": [], "import": []}
     for _ in range(reps):
-        t = time.perf_counter()
-        ps = [subprocess.Popen([sys.executable, "-c", code], env=env()) for _ in range(n)]
-        for p in ps:
-            p.wait()
-        ms.append((time.perf_counter() - t) * 1e3)
-    return {"median_ms": med(ms), "min_ms": min(ms), "max_ms": max(ms), "count": reps}
+        runs["python"].append(start_group(n, True))
+        runs["rust"].append(start_group(n, False))
+        runs["pass"].append(start_interpreters(n, "pass"))
+        runs["import"].append(start_interpreters(n, "import rankexec"))
+    names = {
+        "python": f"startup python n={n}",
+        "rust": f"startup rust n={n}",
+        "pass": f"interpreter x{n} `pass`",
+        "import": f"interpreter x{n} `import rankexec`",
+    }
+    return {
+        names[k]: {"median_ms": med(v), "min_ms": min(v), "max_ms": max(v), "count": reps}
+        for k, v in runs.items()
+    }
 
 
 def fanout(n: int, nbytes: int, reps: int) -> dict:
@@ -151,25 +168,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer samples, 256 MiB fan-out")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--only", help="run only the figures whose name contains this")
     a = ap.parse_args()
     count = 300 if a.quick else 2000
     reps = 2 if a.quick else 5
     big = 256 * MIB if a.quick else 1024 * MIB
     out: dict[str, dict] = {}
 
+    def want(name: str) -> bool:
+        return a.only is None or a.only in name
+
     def show(name: str, fig: dict) -> None:
         out[name] = fig
         print(f"{name:40s} {json.dumps(fig)}", flush=True)
 
-    show("roundtrip_empty python n=8", roundtrip(8, count, True))
-    show("roundtrip_empty rust n=8", roundtrip(8, count, False))
-    show("startup python n=8", startup(8, reps, True))
-    show("startup rust n=8", startup(8, reps, False))
-    show("interpreter x8 `pass`", interpreter(8, reps, "pass"))
-    show("interpreter x8 `import rankexec`", interpreter(8, reps, "import rankexec, numpy"))
-    show(f"fanout python n=8 {big // MIB} MiB numpy", fanout(8, big, reps))
-    for n in (1, 2, 4, 8):
-        show(f"parent_memory n={n} {big // MIB} MiB", parent_memory(n, big))
+    if want("roundtrip"):
+        show("roundtrip_empty python n=8", roundtrip(8, count, True))
+        show("roundtrip_empty rust n=8", roundtrip(8, count, False))
+    if want("startup"):
+        for name, fig in startup(8, 2 * reps).items():
+            show(name, fig)
+    if want("fanout"):
+        show(f"fanout python n=8 {big // MIB} MiB numpy", fanout(8, big, reps))
+    if want("parent_memory"):
+        for n in (1, 2, 4, 8):
+            show(f"parent_memory n={n} {big // MIB} MiB", parent_memory(n, big))
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
 

@@ -27,6 +27,8 @@ def serve(rank: _rankexec.Rank) -> int:
         try:
             out = component.execute(task.name, task.input, task.ctx, task.abort)
         except BaseException as e:
+            if e.__traceback__ is not None:
+                e.__traceback__ = e.__traceback__.tb_next  # start at the user's frame
             task.fail(e)
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the rank stops

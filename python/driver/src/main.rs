@@ -5,7 +5,9 @@
 //! group, send tasks with large blobs, abort them, fire events and stop the group, and
 //! check what the OS and the executor say. Commands (`op`):
 //!
-//! - `start {config}`: launch the group; answers `ms` and the group's `pids`;
+//! - `start {config, engine}`: launch the group; answers `ms` and the group's `pids`;
+//!   with `engine: true` the host has an engine that records the ranks' events
+//!   (`events` lists them as `[event, rank]`);
 //! - `task {task, meta, blobs: {name: {len, byte}}, abort_after_ms}`: run a task whose
 //!   blobs are built in shared memory (their `inode`s are returned as `input_inodes`);
 //!   answers the output's `meta` and, per blob, `len`, `shared`, `inode`, `first`,
@@ -30,7 +32,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use rankexec_executor::{ExecuteError, ExecutorConfig, MultiProcessExecutor};
-use rankexec_protocol::{Blob, EventType, FlContext, Shareable, Signal, Value, error_chain};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rankexec_protocol::{
+    Blob, Engine, EventType, FireEventError, FlContext, Shareable, Signal, Value, error_chain, keys,
+};
 use serde_json::{Value as Json, json};
 
 fn inode(blob: &Blob) -> Option<u64> {
@@ -125,6 +132,34 @@ fn exec_of(e: &Option<MultiProcessExecutor>) -> anyhow::Result<&MultiProcessExec
 struct Driver {
     exec: Option<MultiProcessExecutor>,
     ctx: FlContext,
+    events: Arc<Recorder>,
+}
+
+/// A host engine that records the events ranks fire: `(event, rank)`.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<(String, i64)>>);
+
+impl Engine for Recorder {
+    fn fire_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), FireEventError> {
+        let rank = ctx
+            .get_prop(keys::FROM_RANK_NUMBER)
+            .and_then(Value::as_i64)
+            .unwrap_or(-1);
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((event.as_str().to_owned(), rank));
+        Ok(())
+    }
+    fn identity(&self) -> &str {
+        "pydriver"
+    }
+    fn job_id(&self) -> &str {
+        "pydriver"
+    }
+    fn workspace(&self) -> &Path {
+        Path::new(".")
+    }
 }
 
 impl Driver {
@@ -134,6 +169,11 @@ impl Driver {
                 let cfg: ExecutorConfig = serde_json::from_value(cmd["config"].clone())
                     .context("invalid executor config")?;
                 let exec = MultiProcessExecutor::new(cfg)?;
+                self.ctx = if cmd["engine"].as_bool().unwrap_or(false) {
+                    FlContext::with_engine(self.events.clone())
+                } else {
+                    FlContext::new()
+                };
                 let t = Instant::now();
                 let r = exec.start(&self.ctx);
                 let ms = t.elapsed().as_secs_f64() * 1e3;
@@ -181,6 +221,10 @@ impl Driver {
                         Err(e) => json!({"ok": false, "error": error_chain(&e)}),
                     },
                 )
+            }
+            "events" => {
+                let ev = self.events.0.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(json!({"ok": true, "events": *ev}))
             }
             "pids" => Ok(json!({"ok": true, "pids": exec_of(&self.exec)?.live_pids()})),
             "rss" => Ok(json!({"ok": true, "rss_kib": status_kib("VmRSS:"),
@@ -289,6 +333,7 @@ fn main() -> anyhow::Result<()> {
     let mut driver = Driver {
         exec: None,
         ctx: FlContext::new(),
+        events: Arc::default(),
     };
     let stdout = std::io::stdout();
     for line in std::io::stdin().lock().lines() {
