@@ -1,7 +1,7 @@
 """Fixtures: a host (`rankexec-pydriver`) driving real rank groups of real Python.
 
-Build first: `cargo build --release` (the driver and the CLI) and
-`maturin develop --release` in `python/` (this package). `RANKEXEC_BIN` and
+Build first: `cargo build --release` (or `cargo test --workspace`: the driver and the
+CLI) and `maturin develop --release` in `python/` (this package). `RANKEXEC_BIN` and
 `RANKEXEC_PYDRIVER` override where the binaries are found.
 """
 
@@ -20,10 +20,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 COMPONENTS = HERE / "components"
-BIN = Path(os.environ.get("RANKEXEC_BIN", REPO / "target" / "release" / "rankexec"))
-DRIVER = Path(
-    os.environ.get("RANKEXEC_PYDRIVER", REPO / "target" / "release" / "rankexec-pydriver")
-)
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+
+
+def _binary(var: str, name: str) -> Path:
+    """`$var`, else the newer of the release and debug builds (`cargo build --release`
+    or `cargo test --workspace` makes them)."""
+    if var in os.environ:
+        return Path(os.environ[var])
+    found = [p for p in (TARGET / "release" / name, TARGET / "debug" / name) if p.exists()]
+    if not found:
+        return TARGET / "release" / name
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+BIN = _binary("RANKEXEC_BIN", "rankexec")
+DRIVER = _binary("RANKEXEC_PYDRIVER", "rankexec-pydriver")
 # The ranks' `python` is this interpreter, found on PATH.
 PYBIN = str(Path(sys.executable).parent)
 
