@@ -28,7 +28,13 @@ fn every_line_gets_an_answer_and_eof_ends_the_driver() {
     let a = ask(r#"{"op": "bogus"}"#);
     assert_eq!(a["error"], "unknown op `bogus`");
     let a = ask(r#"{"op": "start", "config": {"num_of_processes": "two"}}"#);
-    assert!(a["error"].as_str().unwrap().starts_with("invalid executor config"), "{a}");
+    assert!(
+        a["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("invalid executor config"),
+        "{a}"
+    );
     let a = ask(r#"{"op": "rss"}"#);
     assert_eq!(a["ok"], true);
     assert!(a["rss_kib"].as_u64().unwrap() > 0);
