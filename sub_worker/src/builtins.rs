@@ -549,6 +549,9 @@ struct EventLogArgs {
     /// Sleep this long in every handler (to play a rank that acknowledges too late).
     #[serde(default)]
     delay_ms: u64,
+    /// Only these events are slow (default: every event).
+    #[serde(default)]
+    delay_events: Vec<String>,
 }
 
 /// Appends each event name to `rank-N/events.log` and sets `set` as public props.
@@ -556,6 +559,7 @@ struct EventLog {
     set: BTreeMap<String, Value>,
     file: Option<std::sync::Mutex<std::fs::File>>,
     delay: Duration,
+    delay_events: Vec<String>,
 }
 
 fn event_log(a: EventLogArgs) -> Result<EventLog, ComponentError> {
@@ -581,12 +585,15 @@ fn event_log(a: EventLogArgs) -> Result<EventLog, ComponentError> {
             .collect(),
         file,
         delay: Duration::from_millis(a.delay_ms),
+        delay_events: a.delay_events,
     })
 }
 
 impl FlComponent for EventLog {
     fn handle_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), ComponentError> {
-        std::thread::sleep(self.delay);
+        if self.delay_events.is_empty() || self.delay_events.iter().any(|e| e == event.as_str()) {
+            std::thread::sleep(self.delay);
+        }
         if let Some(f) = &self.file {
             let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             writeln!(f, "{event}")

@@ -248,6 +248,19 @@ impl OomCounter {
     }
 }
 
+/// Whether `pid` is stopped (`SIGSTOP`, `SIGTSTP`, or a tracer): such a process
+/// answers nothing and acts on no signal but `SIGKILL` until it is continued. False
+/// when the process cannot be read (gone, or another's).
+pub(crate) fn is_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command name, which is in parentheses and may hold any byte.
+    stat.rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next())
+        .is_some_and(|state| state == "T" || state == "t")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +301,32 @@ mod tests {
         let st = reap(&fd).unwrap().unwrap();
         assert_eq!(st.signal(), Some(9));
         assert_eq!(st.to_string(), "signal 9 (SIGKILL)");
+    }
+
+    #[test]
+    #[expect(
+        clippy::zombie_processes,
+        reason = "reaped through the pidfd, not Child::wait"
+    )]
+    fn a_stopped_process_reads_as_stopped() {
+        let child = Command::new("sleep").arg("30").spawn().unwrap();
+        let fd = pidfd_open(child.id()).unwrap();
+        assert!(!is_stopped(child.id()));
+        // Our unreaped child: its pid cannot have been reused.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            Signal::SIGSTOP,
+        )
+        .unwrap();
+        let t = Instant::now();
+        while !is_stopped(child.id()) {
+            assert!(t.elapsed() < Duration::from_secs(10), "never seen stopped");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        signal_pidfd(&fd, TermSignal::Kill).unwrap();
+        poll_readable(&[fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
+        reap(&fd).unwrap();
+        assert!(!is_stopped(child.id()), "a reaped process is not stopped");
     }
 
     #[test]
