@@ -1059,7 +1059,8 @@ impl Dispatcher {
             limits: FrameLimits::for_max_frame(self.cfg.max_frame.bytes()),
         };
         let link = &mut g.links[rank as usize];
-        link.pid = c.hello.who.pid;
+        // The kernel's word for a local peer; a remote rank's claim is only reported.
+        link.pid = c.peer.pid().unwrap_or(c.hello.who.pid);
         link.pgid = c.hello.who.pgid;
         if let Err(e) = link.attach(c.channel, c.conn, &ctx) {
             self.fail_start(StartError::Threads {
@@ -1069,17 +1070,9 @@ impl Dispatcher {
             return;
         }
         if g.external && !g.table.has_rank(rank) {
-            // Not our child: watch it through a pidfd so teardown can signal it and see it go.
-            match g.table.add(
-                Role::ExternalRank(rank),
-                c.hello.who.pid,
-                c.hello.who.pgid,
-                false,
-            ) {
-                Ok((index, fd)) => g.watcher.watch(index, fd),
-                Err(e) => {
-                    debug!(rank, pid = c.hello.who.pid, error = %e, "cannot open a pidfd for the rank")
-                }
+            // Not our child: held by the pidfd its connection's kernel-given pid opened.
+            if let Some((index, fd)) = g.table.add_peer(rank, c.peer) {
+                g.watcher.watch(index, fd);
             }
         }
         debug!(rank, channel = c.channel.as_str(), pid = c.hello.who.pid, host = %c.hello.who.host, "rank connected");
