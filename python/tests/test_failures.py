@@ -112,3 +112,31 @@ def test_sigkill_of_the_host_leaves_no_rank(tmp_path, launcher):
         ["ps", "-eo", "pid,args"], check=False, capture_output=True, text=True
     ).stdout
     assert str(out) not in ps
+
+
+@pytest.mark.parametrize("launcher", ["builtin", "torchrun"])
+def test_no_worker_outlives_a_forced_abort_or_a_finalize(host, tmp_path, launcher):
+    out = tmp_path / "notes"
+    out.mkdir()
+    extra = {} if launcher == "builtin" else {"launcher": {"torchrun": {}}}
+    cfg = executor_config("ranks:Probe", 2, {"out_dir": str(out)}, log_dir=tmp_path, **extra)
+    cfg["deadlines"].update({"abort_grace": "1s", "term_grace": "1s"})
+    assert host.start(cfg)["ok"]
+
+    def workers() -> list[int]:
+        assert host.send(op="task", task="pid")["ok"]
+        pids = [n["pid"] for n in read_notes(out, "pid", 2)]
+        for p in out.glob("pid-*.json"):
+            p.unlink()
+        return pids
+
+    first = workers()
+    r = host.send(op="task", task="ignore_abort", abort_after_ms=300)
+    print(f"{launcher} forced abort:", r["error"])
+    assert not r["ok"] and r["aborted"] and r["forced"], r
+    wait_until(lambda: not any(pid_alive(p) for p in first), 15, "workers gone after abort")
+    second = workers()  # the next task relaunches the group
+    assert not set(first) & set(second)
+    stop = host.send(op="stop")
+    assert stop["ok"] and stop["unkillable"] == [], stop
+    wait_until(lambda: not any(pid_alive(p) for p in second), 15, "workers gone after finalize")

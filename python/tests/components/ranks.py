@@ -88,6 +88,11 @@ class Probe:
             _note(self.out_dir, "sleeping", rank, {"pid": os.getpid()})
             abort.wait(60)
             return rankexec.Shareable()
+        if task == "ignore_abort":
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # deliberately deaf to the abort signal
+                time.sleep(0.05)
+            return rankexec.Shareable()
         if task == "pid":
             _note(self.out_dir, "pid", rank, {"pid": os.getpid(), "sid": os.getsid(0)})
             return rankexec.Shareable(meta={"pid": os.getpid()})
