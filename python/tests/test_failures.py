@@ -26,6 +26,18 @@ def test_exception_on_rank_1_has_rank_and_traceback_and_group_stays(host, tmp_pa
     assert host.send(op="pids")["pids"] == started["pids"], "same processes"
 
 
+def test_heartbeats_do_not_need_the_gil(host, tmp_path):
+    cfg = executor_config("ranks:Probe", 2, {"out_dir": str(tmp_path)}, log_dir=tmp_path)
+    cfg["deadlines"].update({"heartbeat_interval": "100ms", "heartbeat_timeout": "1s"})
+    started = host.start(cfg)
+    assert started["ok"]
+    # Each rank holds the GIL for 3 heartbeat timeouts; its heartbeats go on.
+    r = host.send(op="task", task="hold_gil", meta={"seconds": 3.0})
+    print("GIL held 3 s with a 1 s heartbeat timeout:", r.get("meta"), r.get("error"))
+    assert r["ok"] and r["meta"]["held"] == 3.0, r
+    assert host.send(op="pids")["pids"] == started["pids"]
+
+
 @pytest.mark.parametrize(("how", "cls"), [("exit", "exit_code"), ("segv", "signal")])
 def test_crash_is_detected(host, tmp_path, how, cls):
     cfg = executor_config("ranks:Probe", 2, {"out_dir": str(tmp_path)}, log_dir=tmp_path)
