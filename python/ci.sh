@@ -19,5 +19,8 @@ cargo build --release    # rankexec, rankexec-worker, rankexec-pydriver
 "$VENV/bin/python" -m ruff check python examples/python benchmarks/python
 "$VENV/bin/python" -m ruff format --check python examples/python benchmarks/python
 
+# The stubs match the extension module.
+(cd python && "../$VENV/bin/python" -m mypy.stubtest rankexec._rankexec --allowlist stubtest-allowlist.txt && "../$VENV/bin/python" -m mypy -p rankexec --ignore-missing-imports)
+
 # The ranks' program is the `python` on PATH: this environment's (torchrun too).
 PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/python" -m pytest python/tests -q

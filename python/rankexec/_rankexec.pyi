@@ -1,9 +1,28 @@
 """Type stubs for the native core of rankexec (rank side)."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 from rankexec._shareable import Shareable
+
+__all__ = [
+    "Abort",
+    "Blob",
+    "BufferSealed",
+    "Context",
+    "EventFailed",
+    "NotARank",
+    "PrivateBuffer",
+    "PropConflict",
+    "Rank",
+    "RankexecError",
+    "ReplyError",
+    "SharedBuffer",
+    "Task",
+    "TaskAborted",
+    "start",
+    "worker_cli",
+]
 
 class RankexecError(Exception): ...
 class NotARank(RankexecError): ...
@@ -13,6 +32,7 @@ class PropConflict(RankexecError): ...
 class EventFailed(RankexecError): ...
 class BufferSealed(RankexecError): ...
 
+@final
 class Blob:
     """Read-only bytes, usually a mapping of a sealed shared memory file."""
 
@@ -29,16 +49,18 @@ class Blob:
     def copy_on_write(self) -> PrivateBuffer: ...
     def tobytes(self) -> bytes: ...
 
+@final
 class PrivateBuffer:
     """A writable, private (copy-on-write) view of a blob."""
 
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
 
+@final
 class SharedBuffer:
     """An output buffer in shared memory, filled in place, sent without a copy."""
 
-    def __init__(self, nbytes: int) -> None: ...
+    def __new__(cls, nbytes: int) -> SharedBuffer: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
     @property
@@ -51,6 +73,7 @@ class SharedBuffer:
     def address(self) -> int: ...
     def seal(self) -> Blob: ...
 
+@final
 class Abort:
     """A task's abort signal."""
 
@@ -61,6 +84,7 @@ class Abort:
     def wait(self, timeout: float | None = None) -> bool: ...
     def __bool__(self) -> bool: ...
 
+@final
 class Context:
     """Who this rank is, the task's properties, and events to the host."""
 
@@ -80,6 +104,7 @@ class Context:
     ) -> None: ...
     def fire_event(self, event: str, props: dict[str, Any] | None = None) -> None: ...
 
+@final
 class Task:
     """One task; answer it once with `reply` or `fail`."""
 
@@ -108,6 +133,7 @@ class Task:
     ) -> None: ...
     def fail(self, error: BaseException) -> None: ...
 
+@final
 class Rank:
     """This process serving as a rank."""
 
