@@ -56,6 +56,21 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def pids_with_env(fragment: str) -> list[int]:
+    """Live processes whose environment mentions `fragment` (every rank, and a launcher,
+    has the group's log directory in `RANKEXEC_LOG_DIR`)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if fragment.encode() in (d / "environ").read_bytes() and pid_alive(int(d.name)):
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
 def wait_until(cond, timeout: float, what: str) -> None:
     """Waits for `cond()` with a deadline (short sleeps between checks of OS state)."""
     deadline = time.monotonic() + timeout

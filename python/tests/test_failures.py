@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
-from conftest import Host, executor_config, pid_alive, read_notes, wait_until
+from conftest import Host, executor_config, pid_alive, pids_with_env, read_notes, wait_until
 
 
 def test_exception_on_rank_1_has_rank_and_traceback_and_group_stays(host, tmp_path):
@@ -113,17 +112,15 @@ def test_sigkill_of_the_host_leaves_no_rank(tmp_path, launcher):
             f"{launcher}: workers {workers} (sessions {[n['sid'] for n in notes]}), group {group}"
         )
         assert all(pid_alive(p) for p in workers)
+        assert set(workers) <= set(pids_with_env(str(tmp_path))), "the scan sees the ranks"
         h.proc.kill()
         h.proc.wait(10)
         wait_until(lambda: not any(pid_alive(p) for p in workers + group), 15, "no rank left")
     finally:
         if h.proc.poll() is None:
             h.proc.kill()
-    # And nothing of ours under any name either.
-    ps = subprocess.run(
-        ["ps", "-eo", "pid,args"], check=False, capture_output=True, text=True
-    ).stdout
-    assert str(out) not in ps
+    # Nor any process we did not know the pid of (torchrun itself, its workers).
+    assert pids_with_env(str(tmp_path)) == []
 
 
 @pytest.mark.parametrize("launcher", ["builtin", "torchrun"])
