@@ -7,7 +7,15 @@ import os
 import signal
 
 import pytest
-from conftest import Host, executor_config, pid_alive, pids_with_env, read_notes, wait_until
+from conftest import (
+    COMPONENTS,
+    Host,
+    executor_config,
+    pid_alive,
+    pids_with_env,
+    read_notes,
+    wait_until,
+)
 
 
 def test_exception_on_rank_1_has_rank_and_traceback_and_group_stays(host, tmp_path):
@@ -92,6 +100,18 @@ def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt(host, tmp_path):
     r = json.loads(host.proc.stdout.readline())
     print("Ctrl-C:", r["error"])
     assert not r["ok"] and "KeyboardInterrupt" in r["error"], r
+
+
+def test_ctrl_c_in_receive_raises_keyboard_interrupt_in_a_script(host, tmp_path):
+    cfg = executor_config(
+        "script", 1, log_dir=tmp_path, program=[str(COMPONENTS / "script_interrupt.py")]
+    )
+    cfg["env"] = {"set": {"OUT_DIR": str(tmp_path)}}
+    assert host.start(cfg)["ok"]
+    pid = host.send(op="task", task="t")["meta"]["pid"]
+    os.kill(pid, signal.SIGINT)  # the script now waits in receive()
+    wait_until(lambda: (tmp_path / "interrupted-0").exists(), 10, "KeyboardInterrupt noted")
+    wait_until(lambda: not pid_alive(pid), 10, "the script exited")
 
 
 @pytest.mark.parametrize("launcher", ["builtin", "torchrun"])
