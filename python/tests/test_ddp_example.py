@@ -43,3 +43,29 @@ def test_ddp_digits_reaches_the_threshold(tmp_path, job):
         "2.bias": (10,),
     }
     assert all(np.isfinite(v).all() for v in model.values())
+
+
+def test_simulate_refuses_a_misspelt_argument_before_any_rank_starts(tmp_path):
+    job = tmp_path / "job"
+    src = REPO / "examples/python/ddp_digits/job"
+    for rel in ("meta.json", "app/config/config_fed_server.json"):
+        (job / rel).parent.mkdir(parents=True, exist_ok=True)
+        (job / rel).write_text((src / rel).read_text())
+    client = json.loads((src / "app/config/config_fed_client.json").read_text())
+    client["executors"][0]["executor"]["args"]["components"][0]["args"] = {"epochz": 3}
+    (job / "app/config/config_fed_client.json").write_text(json.dumps(client))
+    out = subprocess.run(
+        [str(BIN), "simulate", str(job), "-w", str(tmp_path / "ws"), "--no-progress"],
+        cwd=REPO,
+        env=env_with_python(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    text = out.stdout + out.stderr
+    print("misspelt argument:", [line for line in text.splitlines() if "epochz" in line])
+    assert out.returncode != 0
+    assert "executors[0].executor.args.components[0]" in text, text[-2000:]
+    assert "unexpected keyword argument 'epochz'" in text
+    assert not list(tmp_path.rglob("rank-*")), "no rank started (no rank log directory)"

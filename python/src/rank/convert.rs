@@ -131,6 +131,18 @@ pub(crate) fn error_from_exception(py: Python<'_>, err: &PyErr) -> ComponentErro
     ComponentError::new(class, text.trim_end().to_owned())
 }
 
+/// A component error with the exception's type and message only (no traceback): for
+/// configuration checks, where the frames are the loader's own.
+pub(crate) fn error_without_traceback(py: Python<'_>, err: &PyErr) -> ComponentError {
+    let text = py
+        .import("traceback")
+        .and_then(|tb| tb.call_method1("format_exception_only", (err.value(py),)))
+        .and_then(|lines| lines.extract::<Vec<String>>())
+        .map(|parts| parts.concat())
+        .unwrap_or_else(|_| err.to_string());
+    ComponentError::failed(text.trim_end().to_owned())
+}
+
 /// `traceback.format_exception(err)`, joined.
 fn traceback_text(py: Python<'_>, err: &PyErr) -> Option<String> {
     let tb = py.import("traceback").ok()?;

@@ -18,7 +18,7 @@ use rankexec_protocol::{
 use rankexec_sub_worker::embed::{self, Bridge, EventFn, Next, Tasks};
 use rankexec_sub_worker::rank_info;
 
-use super::convert::error_from_exception;
+use super::convert::{error_from_exception, error_without_traceback};
 use super::errors::{NotARank, RankexecError};
 use super::task::{Abort, Context, Task, input_to_py, wait_sliced};
 
@@ -80,7 +80,7 @@ fn check_python(cfg: &ComponentConfig) -> Result<(), ComponentError> {
         py.import("rankexec._loader")
             .and_then(|m| m.call_method1("check", (&cfg.id, &cfg.path, cfg.args.to_string())))
             .map(drop)
-            .map_err(|e| error_from_exception(py, &e))
+            .map_err(|e| error_without_traceback(py, &e))
     })
 }
 
