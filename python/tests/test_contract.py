@@ -30,6 +30,13 @@ def test_unsendable_output_fails_the_task_with_why(host, tmp_path):
     assert host.send(op="task", task="other")["ok"], "the rank goes on"
 
 
+def test_output_that_is_not_a_shareable_fails_the_task_with_why(host, tmp_path):
+    _script_host(host, tmp_path)
+    r = host.send(op="task", task="dict_output")
+    assert not r["ok"], r
+    assert "the output must be a rankexec.Shareable" in r["error"] and "not a dict" in r["error"]
+
+
 def test_task_dropped_without_reply_fails_clearly(host, tmp_path):
     _script_host(host, tmp_path)
     r = host.send(op="task", task="drop")

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 use rankexec_protocol::{Blob as RBlob, EventType, FlContext, PropFlags, Shareable, Signal};
@@ -294,8 +295,16 @@ fn shareable_from_py(
         Ok(())
     };
     if let Some(o) = output.filter(|o| !o.is_none()) {
-        let m = o.getattr("meta")?;
-        let b = o.getattr("blobs")?;
+        let (m, b) = match (o.getattr("meta"), o.getattr("blobs")) {
+            (Ok(m), Ok(b)) => (m, b),
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "the output must be a rankexec.Shareable (or have `meta` and `blobs`), \
+                     not a {}",
+                    o.get_type().name()?
+                )));
+            }
+        };
         add(Some(&m), Some(&b))?;
     }
     add(meta.map(|m| m.as_any()), blobs.map(|b| b.as_any()))?;

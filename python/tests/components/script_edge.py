@@ -18,6 +18,11 @@ while (task := rank.receive()) is not None:
             task.reply(meta={"obj": object()})
         except rankexec.ReplyError as e:
             print("unsendable refused:", e, flush=True)
+    elif task.name == "dict_output":
+        try:
+            task.reply({"loss": 1.0})
+        except rankexec.ReplyError as e:
+            print("dict output refused:", e, flush=True)
     elif task.name == "drop":
         del task
         gc.collect()
