@@ -9,9 +9,10 @@
 //!
 //! # Caveats
 //!
-//! - The runtime removes the rank's secret from the process environment when it starts
-//!   (see [`run`](crate::run)). A foreign thread reading the C environment at that
-//!   instant races with it; start the runtime before starting such threads.
+//! - Start the runtime once per process, early: it reads the rank's secret when it
+//!   starts (from the inherited pipe the executor passes, which it then closes), and a
+//!   foreign runtime that closes or reuses inherited descriptors before that would cut
+//!   the rank off.
 //! - A task that is dropped without a reply fails with a clear error; one whose caller
 //!   never answers is ended by the executor's task deadline, like any stuck rank.
 //! - When the parent disappears, the runtime exits the whole process
