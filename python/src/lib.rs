@@ -8,10 +8,13 @@
 //!   and events.
 //! - [`host`]: the host side. A rank group (`MultiProcessExecutor`) driven from Python,
 //!   used by the NVIDIA FLARE adapter.
+//!
+//! Platform code (memory files for blobs filled from Python) lives behind `os`.
 
 use pyo3::prelude::*;
 
 pub mod host;
+mod os;
 pub mod rank;
 
 /// The extension module.
