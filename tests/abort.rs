@@ -62,6 +62,9 @@ fn already_triggered_signal_returns_at_once() {
     let err = exec
         .run_task("train", Shareable::new(), &mut ctx, &abort)
         .unwrap_err();
-    assert!(matches!(err, ExecuteError::Aborted { .. }), "{err:?}");
+    assert!(
+        matches!(err, ExecuteError::Aborted { forced: false, .. }),
+        "{err:?}"
+    );
     exec.finalize().unwrap();
 }

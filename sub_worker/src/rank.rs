@@ -315,8 +315,82 @@ struct Rank {
     event: Arc<Link>,
     engine: Arc<RankEngine>,
     closing: AtomicBool,
-    current: Mutex<Option<(u64, Signal)>>,
+    tasks: Mutex<Tasks>,
     blob_policy_out: BlobPolicy,
+}
+
+/// The most aborts remembered for tasks whose Execute is still on its way.
+const MAX_EARLY_ABORTS: usize = 64;
+
+/// Which task runs, and aborts that arrived before their task started.
+///
+/// The handle thread can read an `Abort` while the exec thread is still reading that
+/// task's `Execute` (a large input takes a while to arrive and map). Task ids only
+/// grow, so an abort for an id above the last one started is for a task still on its
+/// way: it is remembered and fires the task's signal as the task starts, instead of
+/// being dropped.
+#[derive(Default)]
+struct Tasks {
+    current: Option<(u64, Signal)>,
+    /// The highest task id the exec thread has taken up.
+    last_started: u64,
+    /// Reasons of aborts for ids above `last_started`.
+    early: std::collections::BTreeMap<u64, String>,
+}
+
+impl Tasks {
+    /// Registers task `id` and returns its signal, already triggered if an abort for it
+    /// came first (or the group is closing).
+    fn start(&mut self, id: u64, closing: Option<&str>) -> Signal {
+        let signal = Signal::new();
+        self.last_started = self.last_started.max(id);
+        if let Some(reason) = self.early.remove(&id) {
+            info!(task_id = id, %reason, "abort arrived before the task started; starting it aborted");
+            signal.trigger(reason);
+        } else if let Some(reason) = closing {
+            signal.trigger(reason.to_owned());
+        }
+        let last = self.last_started;
+        self.early.retain(|k, _| *k > last);
+        self.current = Some((id, signal.clone()));
+        signal
+    }
+
+    /// Marks task `id` taken up without running it (its input could not be unpacked).
+    fn skip(&mut self, id: u64) {
+        self.last_started = self.last_started.max(id);
+        let last = self.last_started;
+        self.early.retain(|k, _| *k > last);
+    }
+
+    fn finish(&mut self) {
+        self.current = None;
+    }
+
+    /// Fires the running task's signal, or remembers an abort for a task on its way.
+    fn abort(&mut self, id: u64, reason: String) {
+        match &self.current {
+            Some((current, signal)) if *current == id => {
+                info!(task_id = id, %reason, "abort requested");
+                signal.trigger(reason);
+            }
+            _ if id > self.last_started => {
+                debug!(task_id = id, "abort for a task not started yet; remembered");
+                if self.early.len() >= MAX_EARLY_ABORTS {
+                    self.early.pop_first();
+                }
+                self.early.insert(id, reason);
+            }
+            _ => debug!(task_id = id, "abort for a task that already ended"),
+        }
+    }
+
+    /// Fires the running task's signal because the group closes.
+    fn close(&mut self, reason: &str) {
+        if let Some((_, signal)) = &self.current {
+            signal.trigger(format!("closing: {reason}"));
+        }
+    }
 }
 
 impl Rank {
@@ -335,6 +409,10 @@ impl Rank {
 
     fn closing(&self) -> bool {
         self.closing.load(Ordering::SeqCst)
+    }
+
+    fn tasks(&self) -> std::sync::MutexGuard<'_, Tasks> {
+        self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -383,7 +461,7 @@ fn serve(settings: Settings, dir: Option<PathBuf>, registry: Registry) -> Result
         event,
         engine,
         closing: AtomicBool::new(false),
-        current: Mutex::new(None),
+        tasks: Mutex::new(Tasks::default()),
         blob_policy_out: BlobPolicy {
             zero_copy_threshold: init.zero_copy_threshold,
             pass_fds: settings.endpoint_is_local(),
@@ -462,6 +540,7 @@ fn exec_loop(rank: &Rank, executor: &Arc<dyn Executor>) -> u8 {
                 let input = match envelope::unpack(x.input, &frame.body, frame.fds) {
                     Ok(s) => s,
                     Err(e) => {
+                        rank.tasks().skip(x.task_id);
                         let _ = rank.exec.send(&Message::TaskResult {
                             task_id: x.task_id,
                             outcome: Err(RankError {
@@ -472,9 +551,13 @@ fn exec_loop(rank: &Rank, executor: &Arc<dyn Executor>) -> u8 {
                         continue;
                     }
                 };
-                let signal = Signal::new();
-                *rank.current.lock().unwrap_or_else(PoisonError::into_inner) =
-                    Some((x.task_id, signal.clone()));
+                // The handle thread closes under the same lock, so a Close that came
+                // while this task was on its way is seen here.
+                let signal = {
+                    let mut tasks = rank.tasks();
+                    let closing = rank.closing().then_some("closing");
+                    tasks.start(x.task_id, closing)
+                };
                 // Tasks run here, one after another, on this one long-lived thread; the
                 // handle thread delivers aborts meanwhile.
                 run_task(
@@ -532,7 +615,7 @@ fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
             None,
         ),
     };
-    *rank.current.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    rank.tasks().finish();
     match &outcome {
         Ok(_) => debug!(
             elapsed_ms = started.elapsed().as_millis() as u64,
@@ -664,28 +747,13 @@ fn handle_loop(rank: &Rank, components: &[(String, Component)]) {
                     parent_gone("handle");
                 }
             }
-            Message::Abort { task_id, reason } => {
-                let current = rank.current.lock().unwrap_or_else(PoisonError::into_inner);
-                match current.as_ref() {
-                    Some((id, signal)) if *id == task_id => {
-                        info!(task_id, %reason, "abort requested");
-                        signal.trigger(reason);
-                    }
-                    _ => debug!(task_id, "abort for a task that is not running"),
-                }
-            }
+            Message::Abort { task_id, reason } => rank.tasks().abort(task_id, reason),
             Message::Close { reason } => {
                 // The exec thread may be inside a task: stop it, then the exec channel's
                 // own Close (or its end of file) ends the rank.
+                let mut tasks = rank.tasks();
                 rank.closing.store(true, Ordering::SeqCst);
-                if let Some((_, signal)) = rank
-                    .current
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .as_ref()
-                {
-                    signal.trigger(format!("closing: {reason}"));
-                }
+                tasks.close(&reason);
                 return;
             }
             other => protocol_violation("handle", &format!("unexpected {}", other.kind())),
@@ -752,4 +820,50 @@ fn panic_text(payload: &Box<dyn std::any::Any + Send>) -> String {
         .take()
         .unwrap_or_default();
     format!("panicked{location}: {msg}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tasks;
+
+    #[test]
+    fn abort_before_the_task_starts_is_kept_and_fires_at_start() {
+        let mut t = Tasks::default();
+        t.abort(1, "early".into());
+        let s = t.start(1, None);
+        assert_eq!(s.reason().as_deref(), Some("early"));
+        t.finish();
+        // The next task starts clean.
+        assert!(!t.start(2, None).is_triggered());
+    }
+
+    #[test]
+    fn abort_of_a_running_task_fires_and_stale_ones_are_ignored() {
+        let mut t = Tasks::default();
+        let s = t.start(5, None);
+        t.abort(4, "stale".into());
+        assert!(!s.is_triggered());
+        assert!(t.early.is_empty(), "an abort for an ended task is not kept");
+        t.abort(5, "now".into());
+        assert_eq!(s.reason().as_deref(), Some("now"));
+    }
+
+    #[test]
+    fn early_aborts_are_bounded_and_pruned() {
+        let mut t = Tasks::default();
+        for id in 1..=200 {
+            t.abort(id, format!("a{id}"));
+        }
+        assert_eq!(t.early.len(), super::MAX_EARLY_ABORTS);
+        t.start(190, None);
+        assert!(t.early.keys().all(|k| *k > 190));
+        t.skip(200);
+        assert!(t.early.is_empty());
+    }
+
+    #[test]
+    fn a_task_that_starts_while_closing_starts_aborted() {
+        let mut t = Tasks::default();
+        assert!(t.start(1, Some("closing")).is_triggered());
+    }
 }

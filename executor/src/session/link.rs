@@ -1,4 +1,4 @@
-//! A rank's three connections: one reader thread each, and one writer thread.
+//! A rank's three connections: one reader thread and one writer thread each.
 //!
 //! Readers decode frames and report to the dispatcher; they never block on it. Events a
 //! rank relays go to one relay thread per rank, which fires them on the parent's engine
@@ -11,12 +11,14 @@
 //! non-blocking write when the rank's writer thread is idle (no thread hop for the
 //! small frames of a fan-out: blobs travel as memory files). Whatever cannot go out at
 //! once (a large inline frame, a rank whose buffer is full because it stopped reading)
-//! is finished by the writer thread, in order, so a stuck rank blocks only its own
-//! writer; teardown shuts its sockets down.
+//! is finished by that channel's writer thread, in order, so a stuck rank blocks only
+//! its own writers; teardown shuts its sockets down. Each channel has its own writer:
+//! an `Abort` or `Close` on the handle channel never waits behind a half-written
+//! `Execute` on the exec channel.
 
 use rankexec_protocol::error_chain as chain;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
@@ -73,15 +75,23 @@ impl LinkContext {
     }
 }
 
-/// A frame for the writer thread, with the bytes already sent.
-type Outgoing = (Channel, Arc<Conn>, Arc<OutFrame>, u64);
+/// A frame for a writer thread, with the bytes already sent.
+type Outgoing = (Arc<OutFrame>, u64);
+
+/// One channel's writer thread and what it has not written yet.
+struct Writer {
+    tx: Sender<Outgoing>,
+    /// Frames handed to the writer and not yet written.
+    queued: Arc<AtomicUsize>,
+}
 
 /// The parent's end of one rank.
 pub(crate) struct RankLink {
     conns: [Option<Arc<Conn>>; 3],
-    writer: Option<Sender<Outgoing>>,
-    /// Frames handed to the writer and not yet written.
-    queued: Arc<AtomicUsize>,
+    /// Started on a channel's first frame that cannot go out at once (most never need
+    /// one: the dispatcher writes small frames itself).
+    writers: [OnceLock<Writer>; 3],
+    ctx: Option<LinkContext>,
     /// The rank's pid, from its hello.
     pub(crate) pid: u32,
     /// The rank's process group, from its hello.
@@ -92,8 +102,8 @@ impl RankLink {
     pub(crate) fn new() -> Self {
         RankLink {
             conns: [None, None, None],
-            writer: None,
-            queued: Arc::new(AtomicUsize::new(0)),
+            writers: Default::default(),
+            ctx: None,
             pid: 0,
             pgid: 0,
         }
@@ -109,7 +119,7 @@ impl RankLink {
         self.conns.iter().filter(|c| c.is_some()).count()
     }
 
-    /// Adds a connection and starts its reader (and the writer, with the first one).
+    /// Adds a connection and starts its reader.
     pub(crate) fn attach(
         &mut self,
         channel: Channel,
@@ -122,28 +132,25 @@ impl RankLink {
         std::thread::Builder::new()
             .name(format!("rx-read-{}-{}", ctx.rank, channel.as_str()))
             .spawn(move || span.in_scope(|| read_loop(&read_side, channel, &c)))?;
-        if self.writer.is_none() {
-            let (tx, rx) = unbounded();
-            let (c, queued) = (ctx.clone(), self.queued.clone());
-            let span = tracing::info_span!("rank", rank = ctx.rank);
-            std::thread::Builder::new()
-                .name(format!("rx-write-{}", ctx.rank))
-                .spawn(move || span.in_scope(|| write_loop(&rx, &queued, &c)))?;
-            self.writer = Some(tx);
-        }
         self.conns[channel.index()] = Some(conn);
+        self.ctx = Some(ctx.clone());
         Ok(())
     }
 
-    /// Sends a frame: at once when the writer is idle and the socket takes it, else
-    /// through the writer. False if the channel is not connected. Only the dispatcher
-    /// calls this, so an idle writer (nothing queued) cannot become busy meanwhile.
+    /// Sends a frame: at once when the channel's writer is idle and the socket takes
+    /// it, else through that writer. False if the channel is not connected. Only the
+    /// dispatcher calls this, so an idle writer (nothing queued) cannot become busy
+    /// meanwhile.
     pub(crate) fn send(&self, channel: Channel, frame: Arc<OutFrame>) -> bool {
-        let (Some(w), Some(conn)) = (&self.writer, &self.conns[channel.index()]) else {
+        let Some(conn) = &self.conns[channel.index()] else {
             return false;
         };
+        let slot = &self.writers[channel.index()];
         let mut written = 0;
-        if self.queued.load(Ordering::Acquire) == 0 {
+        if slot
+            .get()
+            .is_none_or(|w| w.queued.load(Ordering::Acquire) == 0)
+        {
             // Errors (a gone rank) are left to the writer, which reports them.
             if let Ok(n) = frame.try_write_now(conn) {
                 if n == frame.wire_len() {
@@ -152,8 +159,37 @@ impl RankLink {
                 written = n;
             }
         }
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        w.send((channel, conn.clone(), frame, written)).is_ok()
+        let w = match slot.get() {
+            Some(w) => w,
+            None => match self.start_writer(channel, conn) {
+                Ok(w) => slot.get_or_init(|| w),
+                Err(e) => {
+                    if let Some(ctx) = &self.ctx {
+                        ctx.report(LinkEvent::Protocol {
+                            channel,
+                            what: format!("cannot start a writer thread: {e}"),
+                        });
+                    }
+                    return false;
+                }
+            },
+        };
+        w.queued.fetch_add(1, Ordering::AcqRel);
+        w.tx.send((frame, written)).is_ok()
+    }
+
+    fn start_writer(&self, channel: Channel, conn: &Arc<Conn>) -> std::io::Result<Writer> {
+        let Some(ctx) = self.ctx.clone() else {
+            return Err(std::io::Error::other("the rank is not connected"));
+        };
+        let (tx, rx) = unbounded();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let (q, conn) = (queued.clone(), conn.clone());
+        let span = tracing::info_span!("rank", rank = ctx.rank, channel = channel.as_str());
+        std::thread::Builder::new()
+            .name(format!("rx-write-{}-{}", ctx.rank, channel.as_str()))
+            .spawn(move || span.in_scope(|| write_loop(&rx, &conn, channel, &q, &ctx)))?;
+        Ok(Writer { tx, queued })
     }
 
     /// Whether the exec channel can pass descriptors.
@@ -168,13 +204,19 @@ impl RankLink {
         for c in self.conns.iter().flatten() {
             c.shutdown();
         }
-        self.writer = None;
+        self.writers = Default::default();
     }
 }
 
-fn write_loop(rx: &Receiver<Outgoing>, queued: &AtomicUsize, ctx: &LinkContext) {
-    for (channel, conn, frame, written) in rx {
-        let result = frame.write_rest(&conn, written);
+fn write_loop(
+    rx: &Receiver<Outgoing>,
+    conn: &Conn,
+    channel: Channel,
+    queued: &AtomicUsize,
+    ctx: &LinkContext,
+) {
+    for (frame, written) in rx {
+        let result = frame.write_rest(conn, written);
         queued.fetch_sub(1, Ordering::AcqRel);
         if let Err(e) = result {
             match e {
