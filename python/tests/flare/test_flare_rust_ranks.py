@@ -1,0 +1,168 @@
+"""rankexec.flare.MultiProcessExecutor under the real `nvflare simulator`, with Rust
+ranks (the `rankexec-worker` builtins): lifecycle, failures, abort, SIGKILL.
+
+Each test runs `nvflare simulator JOB -w WS -n 2 -t 2` under a time cap and checks the
+workspace's error logs, the persisted model and, through /proc, that no rank is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import numpy as np
+from conftest import (
+    allow_rankexec,
+    assert_no_errors,
+    client_config,
+    descendants,
+    error_logs,
+    parent_of,
+    rank_pids,
+    run_sim,
+    server_config,
+    server_model,
+    simple_job,
+    site_log,
+    wait_until,
+    write_job,
+)
+
+INITIAL = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=np.float32)
+
+
+def test_echo_ranks_return_the_model_unchanged(tmp_path, rust_worker):
+    job = simple_job(
+        tmp_path,
+        "echo",
+        {"num_of_processes": 2, "rank_component": "Echo", "worker": {"program": rust_worker}},
+    )
+    ws = tmp_path / "ws"
+    allow_rankexec(ws)
+    run_sim(job, ws)
+    assert_no_errors(ws)
+    np.testing.assert_array_equal(server_model(ws), INITIAL)
+    for site in ("site-1", "site-2"):
+        log = site_log(ws, site)
+        m = re.search(r"rank group of 2 ready in ([\d.]+) ms \(pids \[(\d+), (\d+)\]", log)
+        assert m, log[-3000:]
+        assert "rank group stopped" in log
+        print(f"{site}: START_RUN to ready {m.group(1)} ms")
+        for r in (0, 1):
+            assert (ws / site / "simulate_job" / "rankexec" / f"rank-{r}" / "stderr.log").exists()
+        for pid in (int(m.group(2)), int(m.group(3))):
+            assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
+    assert rank_pids(ws) == []
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"RANKEXEC_LOG_DIR" not in f.read()  # pid reused by something else
+    except OSError:
+        return True
+
+
+def test_without_the_allow_list_flare_refuses_the_executor(tmp_path, rust_worker):
+    job = simple_job(
+        tmp_path,
+        "refused",
+        {"num_of_processes": 2, "rank_component": "Echo", "worker": {"program": rust_worker}},
+        num_rounds=1,
+        error_logger=False,
+    )
+    ws = tmp_path / "ws"
+    run_sim(job, ws)
+    logs = error_logs(ws)
+    text = "\n".join(logs.values())
+    assert "rankexec.flare.MultiProcessExecutor" in text and "allow_list" in text, logs
+    print(next(line for line in text.splitlines() if "allow_list" in line)[:300])
+    assert rank_pids(ws) == []
+
+
+def test_a_raising_rank_is_in_the_client_and_server_logs(tmp_path, rust_worker):
+    job = simple_job(
+        tmp_path,
+        "raises",
+        {
+            "num_of_processes": 2,
+            "rank_component": "Fail",
+            "rank_args": {"ranks": [1], "message": "bad batch on purpose"},
+            "worker": {"program": rust_worker},
+        },
+        num_rounds=1,
+    )
+    ws = tmp_path / "ws"
+    allow_rankexec(ws)
+    run_sim(job, ws, check=False)  # the failed round ends the run: exit code 2
+    # With -t 2 one client process runs both sites and logs into one site's files.
+    client = "".join((ws / site / "error_log.txt").read_text() for site in ("site-1", "site-2"))
+    server = (ws / "server" / "error_log.txt").read_text()
+    assert "rank 1 failed: exception: bad batch on purpose" in client, client
+    assert "rank group on site-" in server and "bad batch on purpose" in server, server
+    assert "EXECUTION_EXCEPTION" in server, server
+    print("client:", next(s for s in client.splitlines() if "bad batch" in s)[:300])
+    print("server:", next(s for s in server.splitlines() if "bad batch" in s)[:300])
+    assert rank_pids(ws) == []
+
+
+def test_workflow_end_aborts_a_sleeping_rank_group(tmp_path, rust_worker):
+    slow = {
+        "num_of_processes": 2,
+        "rank_component": "Sleep",
+        "rank_args": {"secs": 600},
+        "worker": {"program": rust_worker},
+    }
+    fast = {"num_of_processes": 2, "rank_component": "Echo", "worker": {"program": rust_worker}}
+    job = write_job(
+        tmp_path,
+        "abort",
+        {
+            "app_server": {"server": server_config(num_rounds=1, min_clients=1)},
+            "app_slow": {"client": client_config(slow)},
+            "app_fast": {"client": client_config(fast)},
+        },
+        {"app_server": ["server"], "app_slow": ["site-1"], "app_fast": ["site-2"]},
+    )
+    ws = tmp_path / "ws"
+    allow_rankexec(ws)
+    run_sim(job, ws)
+    assert_no_errors(ws)
+    log = site_log(ws, "site-1")
+    assert "aborted in every rank" in log, log[-3000:]
+    for r in (0, 1):
+        rank_log = ws / "site-1" / "simulate_job" / "rankexec" / f"rank-{r}" / "stderr.log"
+        text = rank_log.read_text()
+        assert "abort requested" in text and "task failed: aborted" in text, text
+        print(f"rank {r}:", next(s for s in text.splitlines() if "abort requested" in s)[-160:])
+    assert rank_pids(ws) == []
+
+
+def test_sigkill_of_the_client_process_leaves_no_rank(tmp_path, rust_worker, sim_runner):
+    job = simple_job(
+        tmp_path,
+        "killed",
+        {
+            "num_of_processes": 2,
+            "rank_component": "Sleep",
+            "rank_args": {"secs": 600},
+            "worker": {"program": rust_worker},
+        },
+        num_rounds=1,
+    )
+    ws = tmp_path / "ws"
+    allow_rankexec(ws)
+    sim = sim_runner(job, ws)
+    ranks = wait_until(lambda: len(rank_pids(ws)) == 4 and rank_pids(ws), timeout=90, step=0.1)
+    assert ranks and len(ranks) == 4, f"ranks never came up:\n{sim.output()[-3000:]}"
+    # The client process is the ranks' parent and descends from our simulator.
+    client = parent_of(ranks[0])
+    assert client in descendants(sim.proc.pid)
+    mine = [p for p in ranks if parent_of(p) == client]
+    assert len(mine) == 2
+    os.kill(client, signal.SIGKILL)
+    left = wait_until(lambda: not [p for p in rank_pids(ws) if p in mine], timeout=1.0)
+    assert left, f"ranks {mine} outlived their client by 1 s"
+    print(f"SIGKILLed client {client}; its ranks {mine} gone within 1 s")
+    sim.kill()
