@@ -151,6 +151,17 @@ struct Entry {
 #[derive(Default)]
 pub struct Registry {
     entries: BTreeMap<String, Entry>,
+    fallback: Option<Fallback>,
+}
+
+type FallbackBuild = dyn Fn(&ComponentConfig) -> Result<Component, ComponentError> + Send + Sync;
+type FallbackCheck = dyn Fn(&ComponentConfig) -> Result<(), ComponentError> + Send + Sync;
+
+/// Builds every path no registration claims (a foreign-language loader: Python's
+/// `"module:Class"`).
+struct Fallback {
+    build: Box<FallbackBuild>,
+    check: Box<FallbackCheck>,
 }
 
 impl fmt::Debug for Registry {
@@ -221,10 +232,51 @@ impl Registry {
         self
     }
 
-    /// Adds every registration of `other` (later ones win).
+    /// Adds every registration of `other` (later ones win, its fallback too).
     pub fn extend(&mut self, other: Registry) -> &mut Self {
         self.entries.extend(other.entries);
+        if other.fallback.is_some() {
+            self.fallback = other.fallback;
+        }
         self
+    }
+
+    /// Builds (and checks) every path that no registration claims with `build` (and
+    /// `check`), instead of refusing it as unknown. A rank written in another language
+    /// uses it to load its own components (Python's `"module:Class"` paths). Errors from
+    /// either are [`BuildError::Constructor`].
+    ///
+    /// ```
+    /// use rankexec_protocol::{Component, ComponentConfig, ComponentError, FlComponent, Registry};
+    /// struct Loaded;
+    /// impl FlComponent for Loaded {}
+    /// let mut reg = Registry::new();
+    /// reg.fallback(
+    ///     |c| if c.path.contains(':') { Ok(Component::Handler(std::sync::Arc::new(Loaded))) }
+    ///         else { Err(ComponentError::failed("expected module:Class")) },
+    ///     |c| if c.path.contains(':') { Ok(()) } else { Err(ComponentError::failed("expected module:Class")) },
+    /// );
+    /// assert!(reg.build(&ComponentConfig::new("a", "m:C", serde_json::Value::Null)).is_ok());
+    /// assert!(reg.check(&ComponentConfig::new("a", "nope", serde_json::Value::Null)).is_err());
+    /// ```
+    pub fn fallback<B, C>(&mut self, build: B, check: C) -> &mut Self
+    where
+        B: Fn(&ComponentConfig) -> Result<Component, ComponentError> + Send + Sync + 'static,
+        C: Fn(&ComponentConfig) -> Result<(), ComponentError> + Send + Sync + 'static,
+    {
+        self.fallback = Some(Fallback {
+            build: Box::new(build),
+            check: Box::new(check),
+        });
+        self
+    }
+
+    fn ctor_error(cfg: &ComponentConfig, source: ComponentError) -> BuildError {
+        BuildError::Constructor {
+            id: cfg.id.clone(),
+            path: cfg.path.clone(),
+            source,
+        }
     }
 
     fn entry(&self, cfg: &ComponentConfig) -> Result<&Entry, BuildError> {
@@ -239,6 +291,9 @@ impl Registry {
 
     /// Builds a component.
     pub fn build(&self, cfg: &ComponentConfig) -> Result<Component, BuildError> {
+        if let (false, Some(f)) = (self.entries.contains_key(&cfg.path), &self.fallback) {
+            return (f.build)(cfg).map_err(|e| Self::ctor_error(cfg, e));
+        }
         (self.entry(cfg)?.build)(&cfg.args).map_err(|e| match e {
             ArgsOrCtor::Args(source) => BuildError::InvalidArgs {
                 id: cfg.id.clone(),
@@ -255,6 +310,9 @@ impl Registry {
 
     /// Validates a configuration (path and argument types) without building it.
     pub fn check(&self, cfg: &ComponentConfig) -> Result<(), BuildError> {
+        if let (false, Some(f)) = (self.entries.contains_key(&cfg.path), &self.fallback) {
+            return (f.check)(cfg).map_err(|e| Self::ctor_error(cfg, e));
+        }
         (self.entry(cfg)?.check)(&cfg.args).map_err(|source| BuildError::InvalidArgs {
             id: cfg.id.clone(),
             path: cfg.path.clone(),

@@ -12,6 +12,7 @@
 use pyo3::prelude::*;
 
 pub mod host;
+mod os;
 pub mod rank;
 
 /// The extension module.

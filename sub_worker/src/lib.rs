@@ -34,6 +34,7 @@
 
 pub mod builtins;
 pub mod cli;
+pub mod embed;
 mod engine;
 pub mod errorfile;
 mod link;

@@ -1,0 +1,255 @@
+//! `rankexec-pydriver`: a host for the Python ranks' tests and benchmarks.
+//!
+//! It owns one `MultiProcessExecutor` and obeys JSON lines on stdin, answering each with
+//! one JSON line on stdout, so a pytest test (or the benchmark script) can start a
+//! group, send tasks with large blobs, abort them, fire events and stop the group, and
+//! check what the OS and the executor say. Commands (`op`):
+//!
+//! - `start {config}`: launch the group; answers `ms` and the group's `pids`;
+//! - `task {task, meta, blobs: {name: {len, byte}}, abort_after_ms}`: run a task whose
+//!   blobs are built in shared memory (their `inode`s are returned as `input_inodes`);
+//!   answers the output's `meta` and, per blob, `len`, `shared`, `inode`, `first`,
+//!   `last`, or the error's `class`, `rank`, `error` and `report`;
+//! - `event {event}`: fire an event to every rank;
+//! - `pids`: the group's live pids; `rss`: this process's resident memory;
+//! - `rtt {task, n}`: `n` empty tasks back to back; answers each one's microseconds;
+//! - `fanout {len, n}`: `n` tasks carrying one shared blob of `len` bytes, and `n`
+//!   plain memcpys of the same size in this process, for comparison;
+//! - `stop`: finalize the group.
+//!
+//! Errors never end the driver; they are answers (`ok: false`). End of stdin stops it.
+
+use std::io::{BufRead, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use rankexec_executor::{ExecuteError, ExecutorConfig, MultiProcessExecutor};
+use rankexec_protocol::{Blob, EventType, FlContext, Shareable, Signal, Value, error_chain};
+use serde_json::{Value as Json, json};
+
+fn inode(blob: &Blob) -> Option<u64> {
+    let fd = blob.memfd()?;
+    std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .ok()
+        .map(|m| m.ino())
+}
+
+fn error_json(e: &ExecuteError) -> Json {
+    let root = e.root_cause();
+    json!({
+        "ok": false,
+        "class": e.class().as_str(),
+        "error": error_chain(e),
+        "rank": root.map(|f| f.rank),
+        "report": root.map(|f| f.report()),
+        "aborted": matches!(e, ExecuteError::Aborted { .. }),
+        "forced": matches!(e, ExecuteError::Aborted { forced: true, .. }),
+    })
+}
+
+fn shared_blob(len: usize, byte: u8) -> anyhow::Result<Blob> {
+    Ok(Blob::shared_with(len, |b| b.fill(byte))?)
+}
+
+fn build_input(cmd: &Json) -> anyhow::Result<(Shareable, Json)> {
+    let mut input = Shareable::new();
+    if let Some(m) = cmd["meta"].as_object() {
+        for (k, v) in m {
+            input.set_meta(k.clone(), Value::from_json(v));
+        }
+    }
+    let mut inodes = serde_json::Map::new();
+    if let Some(b) = cmd["blobs"].as_object() {
+        for (name, spec) in b {
+            let len = spec["len"].as_u64().context("blob len")? as usize;
+            let byte = spec["byte"].as_u64().unwrap_or(0) as u8;
+            let blob = shared_blob(len, byte)?;
+            inodes.insert(name.clone(), json!(inode(&blob)));
+            input.set_blob(name.clone(), blob);
+        }
+    }
+    Ok((input, Json::Object(inodes)))
+}
+
+fn output_json(out: &Shareable) -> Json {
+    let meta: serde_json::Map<String, Json> = out
+        .meta_map()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_json()))
+        .collect();
+    let blobs: serde_json::Map<String, Json> = out
+        .blobs()
+        .iter()
+        .map(|(k, b)| {
+            (
+                k.clone(),
+                json!({"len": b.len(), "shared": b.is_shared(), "inode": inode(b),
+                       "first": b.first(), "last": b.last()}),
+            )
+        })
+        .collect();
+    json!({"meta": meta, "blobs": blobs})
+}
+
+fn rss_kib() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn exec_of(e: &Option<MultiProcessExecutor>) -> anyhow::Result<&MultiProcessExecutor> {
+    e.as_ref().context("no group: send `start` first")
+}
+
+struct Driver {
+    exec: Option<MultiProcessExecutor>,
+    ctx: FlContext,
+}
+
+impl Driver {
+    fn handle(&mut self, cmd: &Json) -> anyhow::Result<Json> {
+        match cmd["op"].as_str().unwrap_or_default() {
+            "start" => {
+                let cfg: ExecutorConfig = serde_json::from_value(cmd["config"].clone())
+                    .context("invalid executor config")?;
+                let exec = MultiProcessExecutor::new(cfg)?;
+                let t = Instant::now();
+                let r = exec.start(&self.ctx);
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                let pids = exec.live_pids();
+                self.exec = Some(exec);
+                Ok(match r {
+                    Ok(()) => json!({"ok": true, "ms": ms, "pids": pids}),
+                    Err(e) => json!({"ok": false, "ms": ms, "error": error_chain(&e)}),
+                })
+            }
+            "task" => {
+                let (input, inodes) = build_input(cmd)?;
+                let task = cmd["task"].as_str().unwrap_or("task").to_owned();
+                let signal = Signal::new();
+                if let Some(ms) = cmd["abort_after_ms"].as_u64() {
+                    let s = signal.clone();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_millis(ms));
+                        s.trigger("aborted by the test");
+                    });
+                }
+                let t = Instant::now();
+                let r = exec_of(&self.exec)?.run_task(&task, input, &mut self.ctx, &signal);
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                Ok(match r {
+                    Ok(out) => {
+                        let mut j = output_json(&out);
+                        j["ok"] = json!(true);
+                        j["ms"] = json!(ms);
+                        j["input_inodes"] = inodes;
+                        j
+                    }
+                    Err(e) => {
+                        let mut j = error_json(&e);
+                        j["ms"] = json!(ms);
+                        j
+                    }
+                })
+            }
+            "event" => {
+                let ev = EventType::new(cmd["event"].as_str().unwrap_or("custom"));
+                Ok(
+                    match exec_of(&self.exec)?.fire_to_ranks(&ev, &mut self.ctx) {
+                        Ok(()) => json!({"ok": true}),
+                        Err(e) => json!({"ok": false, "error": error_chain(&e)}),
+                    },
+                )
+            }
+            "pids" => Ok(json!({"ok": true, "pids": exec_of(&self.exec)?.live_pids()})),
+            "rss" => Ok(json!({"ok": true, "rss_kib": rss_kib()})),
+            "rtt" => {
+                let n = cmd["n"].as_u64().unwrap_or(100);
+                let task = cmd["task"].as_str().unwrap_or("task").to_owned();
+                let exec = exec_of(&self.exec)?;
+                let mut us = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    let t = Instant::now();
+                    if let Err(e) =
+                        exec.run_task(&task, Shareable::new(), &mut self.ctx, &Signal::new())
+                    {
+                        return Ok(error_json(&e));
+                    }
+                    us.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+                Ok(json!({"ok": true, "us": us}))
+            }
+            "fanout" => {
+                let len = cmd["len"].as_u64().context("len")? as usize;
+                let n = cmd["n"].as_u64().unwrap_or(3);
+                let task = cmd["task"].as_str().unwrap_or("task").to_owned();
+                let exec = exec_of(&self.exec)?;
+                let (mut task_ms, mut copy_ms) = (Vec::new(), Vec::new());
+                let src = vec![1u8; len];
+                let mut dst = vec![0u8; len];
+                dst.fill(2); // touch the pages before timing
+                for i in 0..n {
+                    let blob = shared_blob(len, i as u8)?;
+                    let input = Shareable::new().with_blob("x", blob);
+                    let t = Instant::now();
+                    if let Err(e) = exec.run_task(&task, input, &mut self.ctx, &Signal::new()) {
+                        return Ok(error_json(&e));
+                    }
+                    task_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                    let t = Instant::now();
+                    dst.copy_from_slice(&src);
+                    std::hint::black_box(&dst);
+                    copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok(json!({"ok": true, "task_ms": task_ms, "memcpy_ms": copy_ms}))
+            }
+            "stop" => {
+                let t = Instant::now();
+                let report = exec_of(&self.exec)?.finalize()?;
+                Ok(json!({"ok": true, "ms": t.elapsed().as_secs_f64() * 1e3,
+                          "unkillable": report.unkillable}))
+            }
+            other => anyhow::bail!("unknown op `{other}`"),
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RANKEXEC_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let mut driver = Driver {
+        exec: None,
+        ctx: FlContext::new(),
+    };
+    let stdout = std::io::stdout();
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let answer = match serde_json::from_str::<Json>(&line) {
+            Ok(cmd) => driver
+                .handle(&cmd)
+                .unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")})),
+            Err(e) => json!({"ok": false, "error": format!("not JSON: {e}")}),
+        };
+        let mut out = stdout.lock();
+        writeln!(out, "{answer}")?;
+        out.flush()?;
+    }
+    if let Some(exec) = driver.exec.take() {
+        let _ = exec.finalize();
+    }
+    Ok(())
+}

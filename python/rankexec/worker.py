@@ -1,0 +1,46 @@
+"""`python -m rankexec.worker`: a rank program that runs Python components.
+
+Name a component in the executor's `components` as
+`{"id": "t", "path": "my_module:Trainer", "args": {"lr": 0.1}}` (or
+`"path": "trainer.py:Trainer"`), with `"worker": {"program": "python", "args":
+["-m", "rankexec.worker"]}`. The class is built with `args` as keyword arguments and
+must have `execute(task, input, ctx, abort)`, returning a `rankexec.Shareable` (or
+None); `handle_event(event, ctx)` is optional.
+
+With arguments it answers the worker command line: `--check-components JSON`,
+`--list-components`, `--version`, `--help`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rankexec import _rankexec
+
+__all__ = ["main", "serve"]
+
+
+def serve(rank: _rankexec.Rank) -> int:
+    """Runs every task on its component until the host closes the group."""
+    while (task := rank.receive()) is not None:
+        component = task.component
+        try:
+            out = component.execute(task.name, task.input, task.ctx, task.abort)
+        except BaseException as e:
+            task.fail(e)
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the rank stops
+            continue
+        task.reply(out)
+    return rank.exit_code or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        return _rankexec.worker_cli(args)
+    return serve(_rankexec.start("components"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+//! Blobs as Python buffers, without copies.
+//!
+//! - [`Blob`]: a received (or sealed) blob, exported read-only through the buffer
+//!   protocol: `np.frombuffer(blob)`, `torch.frombuffer(blob)` and `memoryview(blob)`
+//!   see the mapped memory file itself. `blob.copy_on_write()` gives a writable view
+//!   whose writes stay private to this process.
+//! - [`SharedBuffer`]: an output filled in place: a new memory file mapped writable;
+//!   sending it (or `seal()`) seals the file, and every rank and the parent then map
+//!   these pages. Views made before sealing stay valid (see `os` for how).
+//!
+//! Caveat: a view keeps its buffer object (and so the mapping) alive; the memory is
+//! released when the last view and the object are gone.
+
+use std::ffi::c_int;
+use std::os::fd::AsFd;
+use std::sync::{Mutex, PoisonError};
+
+use pyo3::exceptions::PyOSError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use rankexec_protocol::Blob as RBlob;
+
+use super::errors::BufferSealed;
+use crate::os::{WritableFile, inode, private_copy};
+
+/// Fills `view` for `len` bytes at `ptr`, owned by `owner`.
+///
+/// # Safety
+/// `view` comes from Python's buffer protocol; `ptr..ptr+len` must stay valid as long
+/// as `owner` lives (the view holds a reference to it).
+unsafe fn fill(
+    owner: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    ptr: *mut u8,
+    len: usize,
+    readonly: bool,
+) -> PyResult<()> {
+    let len = isize::try_from(len).map_err(|_| PyOSError::new_err("blob too large"))?;
+    // SAFETY: per this function's contract; PyBuffer_FillInfo takes a new reference to
+    // `owner`, refuses a writable request on read-only data, and sets format, shape and
+    // strides for a one-dimensional byte buffer.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            ptr.cast(),
+            len,
+            c_int::from(readonly),
+            flags,
+        )
+    };
+    if rc == -1 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
+}
+
+/// A blob: read-only bytes, usually a mapping of a sealed shared memory file.
+#[pyclass(module = "rankexec", frozen)]
+pub struct Blob {
+    pub(crate) inner: RBlob,
+}
+
+#[pymethods]
+impl Blob {
+    /// # Safety
+    /// Called by Python's buffer protocol.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let b = slf.get().inner.bytes();
+        let (ptr, len) = (b.as_ptr().cast_mut(), b.len());
+        // SAFETY: the bytes live as long as the blob object, which the view references;
+        // they are exported read-only.
+        unsafe { fill(slf.as_any(), view, flags, ptr, len, true) }
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// The size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Whether the blob is a shared memory file (mapped, not copied).
+    #[getter]
+    fn shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+
+    /// The inode of its memory file (every rank mapping the same file sees the same
+    /// inode), or None for a small inline blob.
+    #[getter]
+    fn inode(&self) -> PyResult<Option<u64>> {
+        match self.inner.memfd() {
+            Some(fd) => Ok(Some(inode(fd.as_fd())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The address of the first byte in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.inner.as_ptr() as usize
+    }
+
+    /// A writable view whose writes stay in this process: a copy-on-write mapping of
+    /// the memory file (no copy until a page is written), or a copy of a small blob.
+    fn copy_on_write(&self) -> PyResult<PrivateBuffer> {
+        let len = self.inner.len();
+        let data = match self.inner.memfd() {
+            Some(fd) if len > 0 => Private::Map(private_copy(fd.as_fd(), len)?),
+            _ => Private::Heap(self.inner.to_vec()),
+        };
+        Ok(PrivateBuffer {
+            data: Mutex::new(data),
+        })
+    }
+
+    /// A copy as `bytes`.
+    fn tobytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Blob(nbytes={}, shared={})",
+            self.inner.len(),
+            if self.inner.is_shared() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+enum Private {
+    Map(memmap2::MmapMut),
+    Heap(Vec<u8>),
+}
+
+/// A writable, private view of a blob (see `Blob.copy_on_write`).
+#[pyclass(module = "rankexec", frozen)]
+pub struct PrivateBuffer {
+    data: Mutex<Private>,
+}
+
+#[pymethods]
+impl PrivateBuffer {
+    /// # Safety
+    /// Called by Python's buffer protocol.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let mut d = slf
+                .get()
+                .data
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match &mut *d {
+                Private::Map(m) => (m.as_mut_ptr(), m.len()),
+                Private::Heap(v) => (v.as_mut_ptr(), v.len()),
+            }
+        };
+        // SAFETY: the mapping or vector lives as long as this object, which the view
+        // references, and is never resized.
+        unsafe { fill(slf.as_any(), view, flags, ptr, len, false) }
+    }
+
+    fn __len__(&self) -> usize {
+        match &*self.data.lock().unwrap_or_else(PoisonError::into_inner) {
+            Private::Map(m) => m.len(),
+            Private::Heap(v) => v.len(),
+        }
+    }
+}
+
+struct SharedState {
+    file: WritableFile,
+    sealed: Option<RBlob>,
+}
+
+/// An output buffer in shared memory, filled in place and sent without a copy.
+#[pyclass(module = "rankexec", frozen)]
+pub struct SharedBuffer {
+    state: Mutex<SharedState>,
+    len: usize,
+}
+
+impl SharedBuffer {
+    /// Seals the buffer (once) and returns its blob.
+    pub(crate) fn sealed_blob(&self) -> PyResult<RBlob> {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(b) = &st.sealed {
+            return Ok(b.clone());
+        }
+        let blob = st.file.seal()?;
+        st.sealed = Some(blob.clone());
+        Ok(blob)
+    }
+}
+
+#[pymethods]
+impl SharedBuffer {
+    /// A zero-filled buffer of `nbytes` bytes in a new shared memory file.
+    #[new]
+    fn new(nbytes: usize) -> PyResult<Self> {
+        Ok(SharedBuffer {
+            state: Mutex::new(SharedState {
+                file: WritableFile::create(nbytes)?,
+                sealed: None,
+            }),
+            len: nbytes,
+        })
+    }
+
+    /// # Safety
+    /// Called by Python's buffer protocol.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len, sealed) = {
+            let mut st = slf
+                .get()
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let (p, n) = st.file.raw();
+            (p, n, st.sealed.is_some())
+        };
+        if sealed && flags & ffi::PyBUF_WRITABLE != 0 {
+            return Err(BufferSealed::new_err(
+                "this buffer was sent; it is read-only now",
+            ));
+        }
+        // SAFETY: the mapping lives as long as this object (unmapped on drop), which the
+        // view references; sealing replaces it in place without moving it.
+        unsafe { fill(slf.as_any(), view, flags, ptr, len, sealed) }
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// The size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it was sealed (sent); later writable views are refused.
+    #[getter]
+    fn sealed(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .sealed
+            .is_some()
+    }
+
+    /// The inode of its memory file.
+    #[getter]
+    fn inode(&self) -> PyResult<u64> {
+        Ok(self
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .file
+            .inode()?)
+    }
+
+    /// The address of the first byte in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .file
+            .raw()
+            .0 as usize
+    }
+
+    /// Seals the file and returns it as a read-only `Blob` (the same pages).
+    fn seal(&self) -> PyResult<Blob> {
+        Ok(Blob {
+            inner: self.sealed_blob()?,
+        })
+    }
+}

@@ -1,0 +1,29 @@
+"""Components the tests run as ranks (component style)."""
+
+from __future__ import annotations
+
+import rankexec
+
+
+class Echo:
+    """Returns the input's meta plus who ran it and its args."""
+
+    def __init__(self, tag: str = "none", **extra: object) -> None:
+        self.tag = tag
+        self.extra = extra
+        self.events: list[str] = []
+
+    def execute(self, task, input, ctx, abort):
+        meta = dict(input.meta)
+        meta.update(
+            task=task,
+            tag=self.tag,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            local_rank=ctx.local_rank,
+            events=list(self.events),
+        )
+        return rankexec.Shareable(meta=meta)
+
+    def handle_event(self, event, ctx):
+        self.events.append(event)
