@@ -41,8 +41,9 @@ __all__ = [
 HostBlob = _rankexec.HostBlob
 
 
-class RankexecError(Exception):
-    """Base class of the host side's errors; ``str()`` is the whole error chain."""
+class RankexecError(_rankexec.RankexecError):
+    """Base class of the host side's errors (a ``rankexec.RankexecError``); ``str()`` is
+    the whole error chain."""
 
     def __init__(self, message: str, **attrs: Any) -> None:
         super().__init__(message)
