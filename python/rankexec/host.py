@@ -162,10 +162,13 @@ class RankGroup:
         self._native = _rankexec._HostGroup(
             text, on_event=on_event, site=site, job_id=job_id, workspace=workspace
         )
+        self._started = False
 
     def start(self, props: Mapping[str, Any] | None = None) -> None:
-        """Launches the ranks and waits until every one is ready (``StartupFailed``)."""
+        """Launches the ranks and waits until every one is ready (``StartupFailed``).
+        After ``close()``, starts a new group."""
         self._native.start(dict(props) if props else None)
+        self._started = True
 
     def execute(
         self,
@@ -181,7 +184,9 @@ class RankGroup:
         arrays, memoryviews; C-contiguous), sent as raw bytes; large ones are copied once
         into shared memory that every rank maps. ``abort_check`` is polled every
         ``poll_s`` seconds; when it returns true the task is aborted in every rank.
-        Starts the group if needed."""
+        Starts the group if it was never started."""
+        if not self._started:
+            self.start()
         meta_out, blobs_out, props_out = self._native.execute(
             task,
             dict(meta or {}),

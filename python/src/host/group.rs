@@ -76,8 +76,13 @@ impl HostGroup {
         job_id: String,
         workspace: Option<PathBuf>,
     ) -> PyResult<Self> {
-        let cfg: ExecutorConfig = serde_json::from_str(config)
-            .map_err(|e| errors::config_text_error(py, format!("invalid configuration: {e}")))?;
+        let de = &mut serde_json::Deserializer::from_str(config);
+        let cfg: ExecutorConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            errors::config_text_error(
+                py,
+                format!("invalid configuration at {}: {}", e.path(), e.inner()),
+            )
+        })?;
         let threshold = usize::try_from(cfg.zero_copy_threshold.0).unwrap_or(usize::MAX);
         let workspace = workspace
             .or_else(|| cfg.log_dir.clone())
