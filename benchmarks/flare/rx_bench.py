@@ -24,7 +24,6 @@ from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
-
 from rankexec.flare import MultiProcessExecutor
 
 BENCH_TASK = "nvfbench"
