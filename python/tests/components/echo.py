@@ -23,6 +23,7 @@ class Echo:
             local_rank=ctx.local_rank,
             events=list(self.events),
         )
+        meta.update(self.extra)
         return rankexec.Shareable(meta=meta)
 
     def handle_event(self, event, ctx):
