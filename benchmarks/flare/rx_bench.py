@@ -68,7 +68,9 @@ def _wait_gone(pids: dict, t0: float, cap_s: float) -> dict:
 
 
 class RxBenchExecutor(MultiProcessExecutor):
-    def __init__(self, num_of_processes: int = 1, plan: dict | None = None, **kw) -> None:
+    def __init__(
+        self, num_of_processes: int = 1, plan: dict | None = None, **kw
+    ) -> None:
         super().__init__(num_of_processes=num_of_processes, **kw)
         self.plan = plan or {}
         self.cap_s = float(self.plan.get("cap_s", 60.0))
@@ -92,7 +94,8 @@ class RxBenchExecutor(MultiProcessExecutor):
                 {
                     "metric": "startup",
                     "n": self._n,
-                    "ready": self._group is not None and len(self._rank_pids()) == self._n,
+                    "ready": self._group is not None
+                    and len(self._rank_pids()) == self._n,
                     "start_run_to_ready_s": t1 - t0,
                     "ranks_spawned_s": None,
                     "all_ranks_reachable_s": None,
@@ -122,12 +125,24 @@ class RxBenchExecutor(MultiProcessExecutor):
     # ---- one task through the adapter ----------------------------------------------
 
     @staticmethod
-    def _task(size: int = 0, mode: str = "echo", **steer) -> tuple[Shareable, np.ndarray]:
-        payload = np.frombuffer(os.urandom(size), dtype=np.uint8) if size else np.zeros(0, np.uint8)
-        dxo = DXO(data_kind=DataKind.WEIGHTS, data={"payload": payload}, meta={"mode": mode, **steer})
+    def _task(
+        size: int = 0, mode: str = "echo", **steer
+    ) -> tuple[Shareable, np.ndarray]:
+        payload = (
+            np.frombuffer(os.urandom(size), dtype=np.uint8)
+            if size
+            else np.zeros(0, np.uint8)
+        )
+        dxo = DXO(
+            data_kind=DataKind.WEIGHTS,
+            data={"payload": payload},
+            meta={"mode": mode, **steer},
+        )
         return dxo.to_shareable(), payload
 
-    def _timed(self, s: Shareable, fl_ctx: FLContext, abort: Signal | None = None, after=None):
+    def _timed(
+        self, s: Shareable, fl_ctx: FLContext, abort: Signal | None = None, after=None
+    ):
         abort = abort or Signal()
         timer = None
         if after is not None:
@@ -138,7 +153,12 @@ class RxBenchExecutor(MultiProcessExecutor):
         res = MultiProcessExecutor.execute(self, WORK_TASK, s, fl_ctx, abort)
         dt = time.perf_counter() - t0
         rc = res.get_return_code()
-        return {"elapsed_s": dt, "result": res, "rc": rc, "status": "ok" if rc == ReturnCode.OK else "error_reply"}
+        return {
+            "elapsed_s": dt,
+            "result": res,
+            "rc": rc,
+            "status": "ok" if rc == ReturnCode.OK else "error_reply",
+        }
 
     def execute(self, task_name, shareable, fl_ctx, abort_signal):
         if task_name != BENCH_TASK:
@@ -148,7 +168,14 @@ class RxBenchExecutor(MultiProcessExecutor):
             try:
                 getattr(self, "_phase_" + kind)(phase, fl_ctx)
             except Exception as e:  # noqa: BLE001 (a harness reports, it does not stop)
-                emit({"metric": "phase_error", "phase": kind, "error": repr(e), "n": self._n})
+                emit(
+                    {
+                        "metric": "phase_error",
+                        "phase": kind,
+                        "error": repr(e),
+                        "n": self._n,
+                    }
+                )
         return make_reply(ReturnCode.OK)
 
     # ---- phases (the peer harness's plan) ------------------------------------------
@@ -167,9 +194,15 @@ class RxBenchExecutor(MultiProcessExecutor):
                     out = from_shareable(r["result"])
                     if mode == "echo":
                         back = out.data.get("payload")
-                        correct = correct and back is not None and np.array_equal(back, payload)
+                        correct = (
+                            correct
+                            and back is not None
+                            and np.array_equal(back, payload)
+                        )
                     else:
-                        correct = correct and out.data.get("adler32") == zlib.adler32(payload)
+                        correct = correct and out.data.get("adler32") == zlib.adler32(
+                            payload
+                        )
                     if i >= warmup:
                         elapsed.append(r["elapsed_s"])
                     del s, payload, out, r
@@ -198,7 +231,13 @@ class RxBenchExecutor(MultiProcessExecutor):
         pids = self._rank_pids()
         victim = pids.get(rank)
         if victim is None:
-            emit({"metric": "fault", "case": f"a_kill_rank{rank}_idle", "outcome": "rank not found"})
+            emit(
+                {
+                    "metric": "fault",
+                    "case": f"a_kill_rank{rank}_idle",
+                    "outcome": "rank not found",
+                }
+            )
             return
         os.kill(victim, 9)
         gone = _wait_gone({rank: victim}, time.perf_counter(), 5.0)
@@ -234,7 +273,9 @@ class RxBenchExecutor(MultiProcessExecutor):
             "execute_status": r["status"],
             "execute_elapsed_s": r["elapsed_s"],
             "result_rc": r["rc"],
-            "ranks_alive_after": {str(k): _alive(p) for k, p in self._rank_pids().items()},
+            "ranks_alive_after": {
+                str(k): _alive(p) for k, p in self._rank_pids().items()
+            },
             "errors_logged_in_parent": self._errors[n_err:][:2],
         }
         r2 = self._timed(self._task(1024)[0], fl_ctx)
@@ -243,7 +284,10 @@ class RxBenchExecutor(MultiProcessExecutor):
         emit(rec)
 
     def _phase_abort_inflight(self, ph, fl_ctx):
-        sleep_s, after = float(ph.get("sleep_s", 5.0)), float(ph.get("abort_after_s", 0.5))
+        sleep_s, after = (
+            float(ph.get("sleep_s", 5.0)),
+            float(ph.get("abort_after_s", 0.5)),
+        )
         pids = {f"rank{r}": p for r, p in self._rank_pids().items()}
         r = self._timed(self._task(1024, sleep_s=sleep_s)[0], fl_ctx, after=after)
         emit(
@@ -291,4 +335,10 @@ class RxBenchExecutor(MultiProcessExecutor):
             json.dump(state, f)
         os.replace(path + ".tmp", path)
         time.sleep(float(ph.get("wait_s", self.cap_s)))
-        emit({"metric": "phase_error", "phase": "await_parent_kill", "error": "parent was not killed"})
+        emit(
+            {
+                "metric": "phase_error",
+                "phase": "await_parent_kill",
+                "error": "parent was not killed",
+            }
+        )

@@ -229,7 +229,7 @@ class MultiProcessExecutor(Executor):
                 job_id=job_id,
                 workspace=run_dir,
             )
-            group.start({"run_dir": run_dir})
+            group.start({"run_dir": run_dir, "site_name": site, "job_id": job_id})
         except RankexecError as e:
             self.log_error(fl_ctx, f"cannot start the rank group: {e}")
             self.system_panic(f"rankexec: cannot start the rank group: {e}", fl_ctx)

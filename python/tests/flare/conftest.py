@@ -139,7 +139,7 @@ def allow_rankexec(ws: Path) -> None:
 class Sim:
     """A running `nvflare simulator` in its own session (so its tree can be capped)."""
 
-    def __init__(self, job: Path, ws: Path, clients: int = 2) -> None:
+    def __init__(self, job: Path, ws: Path, clients: int = 2, cwd: Path | None = None) -> None:
         self.ws = ws
         self.log = open(ws.parent / f"{ws.name}.out", "w")  # noqa: SIM115
         env = dict(os.environ)
@@ -150,6 +150,7 @@ class Sim:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=env,
+            cwd=cwd,
         )
 
     def wait(self, cap: float = SIM_CAP_S) -> int:
@@ -192,11 +193,16 @@ def sim_runner(tmp_path):
 
 
 def run_sim(
-    job: Path, ws: Path, clients: int = 2, cap: float = SIM_CAP_S, check: bool = True
+    job: Path,
+    ws: Path,
+    clients: int = 2,
+    cap: float = SIM_CAP_S,
+    check: bool = True,
+    cwd: Path | None = None,
 ) -> Sim:
     """Runs the simulator to its end; `check`: it must exit 0 (a run that a client's
     failure ends exits 2)."""
-    s = Sim(job, ws, clients)
+    s = Sim(job, ws, clients, cwd)
     rc = s.wait(cap)
     if check:
         assert rc == 0, f"simulator exited {rc}:\n{s.output()[-4000:]}"
