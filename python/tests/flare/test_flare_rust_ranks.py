@@ -131,6 +131,9 @@ def test_workflow_end_aborts_a_sleeping_rank_group(tmp_path, rust_worker):
     assert_no_errors(ws)
     log = site_log(ws, "site-1")
     assert "aborted in every rank" in log, log[-3000:]
+    for line in log.splitlines():
+        if "aborted in every rank" in line or "rank group stopped" in line:
+            print("site-1:", line[:400])
     for r in (0, 1):
         rank_log = ws / "site-1" / "simulate_job" / "rankexec" / f"rank-{r}" / "stderr.log"
         text = rank_log.read_text()
