@@ -34,7 +34,7 @@ impl Engine for PyEngine {
             event: event.as_str().to_owned(),
             message,
         };
-        Python::attach(|py| {
+        let attached = Python::try_attach(|py| {
             let props = convert::props_to_py(py, ctx.props()).map_err(|e| remote(e.to_string()))?;
             let ret = cb
                 .call1(py, (event.as_str(), rank, props))
@@ -50,7 +50,8 @@ impl Engine for PyEngine {
                 }
             }
             Ok(())
-        })
+        });
+        attached.unwrap_or_else(|| Err(remote("the Python interpreter is shutting down".into())))
     }
 
     fn identity(&self) -> &str {

@@ -342,8 +342,15 @@ impl HostGroup {
 impl Drop for HostGroup {
     fn drop(&mut self) {
         if let Some(exec) = self.exec.take() {
-            // Teardown waits for relay threads that may need the GIL: release it.
-            Python::attach(|py| py.detach(move || drop(exec)));
+            // Teardown waits for relay threads that may need the GIL: release it. (While
+            // the interpreter shuts down, relay threads cannot attach either: they fail
+            // the event instead of waiting, so dropping here cannot deadlock.)
+            let mut exec = Some(exec);
+            let _ = Python::try_attach(|py| {
+                let e = exec.take();
+                py.detach(move || drop(e));
+            });
+            drop(exec);
         }
     }
 }

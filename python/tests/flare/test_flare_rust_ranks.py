@@ -7,6 +7,7 @@ workspace's error logs, the persisted model and, through /proc, that no rank is 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -169,3 +170,58 @@ def test_sigkill_of_the_client_process_leaves_no_rank(tmp_path, rust_worker, sim
     assert left, f"ranks {mine} outlived their client by 1 s"
     print(f"SIGKILLed client {client}; its ranks {mine} gone within 1 s")
     sim.kill()
+
+
+PROBE = '''
+import json
+import json
+import os
+
+from nvflare.apis.fl_component import FLComponent
+
+
+class RankEventProbe(FLComponent):
+    """Records every `metrics_ready` event with the rank it came from."""
+
+    def handle_event(self, event_type, fl_ctx):
+        if event_type == "metrics_ready":
+            rank = fl_ctx.get_prop("__rankexec_from_rank__")
+            props = fl_ctx.get_prop("__rankexec_event_props__") or {}
+            path = os.path.join(os.environ["PROBE_DIR"], fl_ctx.get_identity_name() + ".jsonl")
+            with open(path, "a") as f:
+                f.write(json.dumps({"rank": rank, "fired_from": props.get("fired_from")}) + "\\n")
+'''
+
+
+def test_events_fired_in_ranks_reach_flare_with_the_rank(tmp_path, rust_worker, monkeypatch):
+    args = {
+        "num_of_processes": 2,
+        "rank_component": "FireEvent",
+        "rank_args": {"event": "metrics_ready"},
+        "worker": {"program": rust_worker},
+    }
+    client = client_config(args)
+    client["components"] = [{"id": "probe", "path": "event_probe.RankEventProbe", "args": {}}]
+    job = write_job(
+        tmp_path,
+        "events",
+        {
+            "app": {
+                "server": server_config(num_rounds=1),
+                "client": client,
+                "files": {"custom/event_probe.py": PROBE},
+            }
+        },
+        {"app": ["@ALL"]},
+    )
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    monkeypatch.setenv("PROBE_DIR", str(probe))
+    ws = tmp_path / "ws"
+    run_sim(job, ws, check=False)  # FireEvent returns no model: the round fails after
+    for site in ("site-1", "site-2"):
+        lines = (probe / f"{site}.jsonl").read_text().splitlines()
+        seen = sorted(json.loads(line)["rank"] for line in lines)
+        print(f"{site}: metrics_ready from ranks {seen}")
+        assert seen == [0, 1]
+    assert rank_pids(ws) == []
