@@ -47,9 +47,7 @@ def test_ddp_digits_job_reaches_its_accuracy(tmp_path):
     shutil.copytree(REPO / "examples" / "flare" / "ddp-digits", job)
     ws = tmp_path / "ws"
     allow_rankexec(ws)
-    # From the repository root, as the README says: the ranks load the trainer of
-    # examples/python/ddp_digits from there.
-    run_sim(job, ws, cwd=REPO, cap=400)
+    run_sim(job, ws, cap=400)
     assert_no_errors(ws)
     model_file = ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt"
     saved = torch.load(model_file, weights_only=False)

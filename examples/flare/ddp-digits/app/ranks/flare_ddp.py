@@ -5,8 +5,9 @@ the round comes as `current_round`, the site from the group's `site_name` (`site
 trains on shard N-1 of `num_sites`), and the result carries the arrays' shapes
 (`dxo_arrays`) and `NUM_STEPS_CURRENT_ROUND` (the samples trained, FedAvg's weight).
 
-`trainer` is the trainer's file, relative to the directory the simulator was started
-in (the repository root in the README's command).
+`trainer` is the trainer's file, relative to this one: `trainer.py` here is a symbolic
+link to `examples/python/ddp_digits/trainer.py` (FLARE copies the file it points to
+when it deploys the job).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 
 
 def _load_trainer(path: str):
-    path = os.path.abspath(path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
     spec = importlib.util.spec_from_file_location("ddp_digits_trainer", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the DDP trainer from {path}")
@@ -49,9 +50,7 @@ class _Input:
         self.meta, self.blobs = meta, blobs
 
 
-def FlareDigitsDDP(
-    trainer: str = "examples/python/ddp_digits/trainer.py", num_sites: int = 2, **kwargs
-):
+def FlareDigitsDDP(trainer: str = "trainer.py", num_sites: int = 2, **kwargs):
     base = _load_trainer(trainer).DigitsDDP
 
     class _FlareDigitsDDP(base):
