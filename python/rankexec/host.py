@@ -179,11 +179,13 @@ class RankGroup:
         props: Mapping[str, Any] | None = None,
         abort_check: Callable[[], bool] | None = None,
         poll_s: float = 0.005,
+        abort_reason: str = "aborted by the host",
     ) -> TaskResult:
         """Runs ``task`` on every rank. ``blobs`` maps names to buffers (bytes, numpy
         arrays, memoryviews; C-contiguous), sent as raw bytes; large ones are copied once
         into shared memory that every rank maps. ``abort_check`` is polled every
-        ``poll_s`` seconds; when it returns true the task is aborted in every rank.
+        ``poll_s`` seconds; when it returns true the task is aborted in every rank
+        (``abort_reason`` is what the ranks' abort signal and ``Aborted`` say).
         Starts the group if it was never started."""
         if not self._started:
             self.start()
@@ -194,6 +196,7 @@ class RankGroup:
             dict(props) if props else None,
             abort_check,
             poll_s,
+            abort_reason,
         )
         return TaskResult(meta_out, blobs_out, props_out)
 

@@ -306,6 +306,7 @@ class MultiProcessExecutor(Executor):
                 blobs,
                 abort_check=lambda: abort_signal.triggered,
                 poll_s=self._poll,
+                abort_reason="FLARE's abort_signal fired",
             )
         except Aborted as e:
             self.log_info(fl_ctx, f"task {task_name} aborted in every rank: {e}")

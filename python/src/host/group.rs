@@ -124,7 +124,7 @@ impl HostGroup {
     }
 
     /// Runs `task` on every rank; returns `(meta, blobs, props)`.
-    #[pyo3(signature = (task, meta, blobs, props=None, abort_check=None, poll_s=0.005))]
+    #[pyo3(signature = (task, meta, blobs, props=None, abort_check=None, poll_s=0.005, abort_reason="aborted by the host".to_owned()))]
     #[allow(clippy::too_many_arguments)]
     fn execute<'py>(
         &self,
@@ -135,6 +135,7 @@ impl HostGroup {
         props: Option<&Bound<'py, PyDict>>,
         abort_check: Option<Py<PyAny>>,
         poll_s: f64,
+        abort_reason: String,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let exec = self.exec()?;
         let meta = convert::to_map(meta, "meta")?;
@@ -204,7 +205,7 @@ impl HostGroup {
                         return Ok(());
                     }
                     match check.call0(py).and_then(|v| v.is_truthy(py)) {
-                        Ok(true) => s_tick.trigger("aborted by the host"),
+                        Ok(true) => s_tick.trigger(abort_reason.clone()),
                         Ok(false) => {}
                         Err(e) => {
                             tracing::warn!(task, "the abort check raised: {e}; aborting");

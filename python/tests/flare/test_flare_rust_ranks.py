@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import numpy as np
 from conftest import (
@@ -131,7 +132,7 @@ def test_workflow_end_aborts_a_sleeping_rank_group(tmp_path, rust_worker):
     run_sim(job, ws)
     assert_no_errors(ws)
     log = site_log(ws, "site-1")
-    assert "aborted in every rank" in log, log[-3000:]
+    assert "aborted in every rank" in log and "FLARE's abort_signal fired" in log, log[-3000:]
     for line in log.splitlines():
         if "aborted in every rank" in line or "rank group stopped" in line:
             print("site-1:", line[:400])
@@ -165,10 +166,12 @@ def test_sigkill_of_the_client_process_leaves_no_rank(tmp_path, rust_worker, sim
     assert client in descendants(sim.proc.pid)
     mine = [p for p in ranks if parent_of(p) == client]
     assert len(mine) == 2
+    t0 = time.monotonic()
     os.kill(client, signal.SIGKILL)
     left = wait_until(lambda: not [p for p in rank_pids(ws) if p in mine], timeout=1.0)
+    took = time.monotonic() - t0
     assert left, f"ranks {mine} outlived their client by 1 s"
-    print(f"SIGKILLed client {client}; its ranks {mine} gone within 1 s")
+    print(f"SIGKILLed client {client}; its ranks {mine} gone after {took * 1e3:.1f} ms")
     sim.kill()
 
 
