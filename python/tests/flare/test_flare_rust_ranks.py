@@ -228,3 +228,19 @@ def test_events_fired_in_ranks_reach_flare_with_the_rank(tmp_path, rust_worker, 
         print(f"{site}: metrics_ready from ranks {seen}")
         assert seen == [0, 1]
     assert rank_pids(ws) == []
+
+
+def test_a_rank_group_that_cannot_start_fails_the_run_with_its_reason(tmp_path, rust_worker):
+    job = simple_job(
+        tmp_path,
+        "nostart",
+        {"num_of_processes": 2, "rank_component": "NoSuchRank", "worker": {"program": rust_worker}},
+        num_rounds=1,
+    )
+    ws = tmp_path / "ws"
+    allow_rankexec(ws)
+    run_sim(job, ws, check=False)
+    client = "".join((ws / s / "error_log.txt").read_text() for s in ("site-1", "site-2"))
+    assert "cannot start the rank group" in client and "unknown path `NoSuchRank`" in client
+    print(next(s for s in client.splitlines() if "cannot start the rank group" in s)[:300])
+    assert rank_pids(ws) == []
