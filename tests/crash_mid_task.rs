@@ -24,8 +24,14 @@ fn sigkill_mid_task() {
     let mut ctx = start(&exec);
     let pids = exec.live_pids();
     let victim = pids[2];
+    // Kill it once it is inside the task (its log says so), not after a guessed delay.
+    let log = logs.path().join("rank-2/stderr.log");
     let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !std::fs::read_to_string(&log).is_ok_and(|t| t.contains("sleeping")) {
+            assert!(Instant::now() < deadline, "rank 2 never started its task");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         kill(Pid::from_raw(victim as i32), Sig::SIGKILL).unwrap();
         Instant::now()
     });

@@ -44,14 +44,16 @@ fn identity(rank: u32) -> Identity {
 fn every_hostile_input_is_refused_and_ranks_keep_working() {
     let log = LogCapture::install();
     let dir = tempfile::tempdir().unwrap();
-    // Rank 0's wrapper leaves its environment where the test can read it, as another
-    // process of the same user could (the secret included).
+    // Rank 0's wrapper leaves its environment and the secret from its pipe where the
+    // test can read them, as another process of the same user could.
     let script = dir.path().join("worker.sh");
     let env_file = dir.path().join("rank0.env");
     std::fs::write(
         &script,
         format!(
-            "#!/bin/sh\n[ \"$RANKEXEC_RANK\" = 0 ] && env > {}\nexec {}\n",
+            "#!/bin/sh\nsecret=$(cat /dev/fd/$RANKEXEC_SECRET_FD)\n\
+             [ \"$RANKEXEC_RANK\" = 0 ] && {{ env; echo RANKEXEC_SECRET=$secret; }} > {}\n\
+             RANKEXEC_SECRET=$secret exec env -u RANKEXEC_SECRET_FD {}\n",
             env_file.display(),
             worker_bin().display()
         ),

@@ -25,19 +25,15 @@ struct FakeRank {
 /// Waits for the launched program's environment, then connects and initializes as rank 0.
 fn fake_rank(dir: &Path) -> FakeRank {
     let env_file = dir.join("env");
+    // The script writes the file whole (write, then rename).
     let start = Instant::now();
-    while !env_file.exists()
-        || std::fs::read_to_string(&env_file)
-            .unwrap_or_default()
-            .is_empty()
-    {
+    while !env_file.exists() {
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "launcher never started"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    std::thread::sleep(Duration::from_millis(20));
     let env = std::fs::read_to_string(&env_file).unwrap();
     let var = |k: &str| {
         env.lines()
@@ -89,7 +85,7 @@ fn executor(dir: &Path) -> MultiProcessExecutor {
     std::fs::write(
         &script,
         format!(
-            "#!/bin/sh\necho $$ > {d}/pid\nenv > {d}/env\nexec sleep 120\n",
+            "#!/bin/sh\necho $$ > {d}/pid\nenv > {d}/env.tmp\nmv {d}/env.tmp {d}/env\nexec sleep 120\n",
             d = dir.display()
         ),
     )

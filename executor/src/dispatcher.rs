@@ -98,18 +98,32 @@ pub(crate) struct EventCmd {
 /// A snapshot for callers.
 #[derive(Debug, Clone, Default)]
 pub struct Status {
-    /// `idle` (no group), `admitting`, `starting`, `ready`, `busy` or `stopping`.
+    /// `idle` (no group), `admitting`, `starting`, `ready`, `busy` or `stopping`; `gone`
+    /// when the dispatcher thread has ended.
     pub phase: &'static str,
     /// Every tracked process of the current group.
     pub processes: Vec<ProcInfo>,
     /// Relaunches since the last successful task.
     pub restarts: u32,
+    /// Commands waiting to run (tasks behind the running one, a park waiting for it).
+    pub queued: usize,
     /// The group's log directory.
     pub log_dir: Option<PathBuf>,
     /// Where the group's ranks connect (`local:PATH` or `tcp:HOST:PORT`).
     pub endpoint: Option<String>,
     /// Whether the executor was finalized.
     pub finalized: bool,
+}
+
+impl Status {
+    /// What is known once the dispatcher thread has ended: nothing runs any more.
+    pub(crate) fn gone() -> Status {
+        Status {
+            phase: "gone",
+            finalized: true,
+            ..Status::default()
+        }
+    }
 }
 
 /// Reports from a group's threads, tagged with the group's generation so that reports
@@ -172,6 +186,16 @@ enum TermStage {
     Killing,
 }
 
+/// How a teardown begins.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Teardown {
+    /// `Close`, then the shutdown grace, `SIGTERM`, the term grace, `SIGKILL`. Stages no
+    /// live process can act on are skipped (see `Dispatcher::stop_progress`).
+    Graceful,
+    /// `SIGKILL` at once: the ranks already had their grace (a forced abort).
+    Kill,
+}
+
 /// Something to do once teardown is complete.
 type After = Box<dyn FnOnce(&mut Dispatcher, &FinalizeReport) + Send>;
 
@@ -190,6 +214,9 @@ struct Group {
     last_seen: Vec<Arc<AtomicU64>>,
     external: bool,
     closed_pending: BTreeMap<u32, (Channel, Instant)>,
+    /// Ranks known not to answer (silent past the heartbeat deadline): a `Close` grace
+    /// is not spent on them.
+    unanswering: std::collections::BTreeSet<u32>,
     failures: Vec<RankFailure>,
     /// OOM-kill counters of each process's memory cgroup when it started.
     oom_baselines: BTreeMap<u32, os::OomCounter>,
@@ -315,7 +342,7 @@ impl Dispatcher {
             };
             select! {
                 recv(self.cmd_rx) -> cmd => match cmd {
-                    Ok(cmd) => self.queue.push_back(cmd),
+                    Ok(cmd) => self.on_command(cmd),
                     Err(_) => break,
                 },
                 recv(self.ev_rx) -> ev => {
@@ -404,6 +431,7 @@ impl Dispatcher {
                     .map(|(r, a)| (r as u32, now_ms.saturating_sub(a.load(Ordering::Relaxed))))
                     .find(|(_, ms)| Duration::from_millis(*ms) > timeout);
                 if let Some((rank, ms)) = silent {
+                    g.unanswering.insert(rank);
                     let f =
                         self.failure(rank, FailureCause::Unresponsive(Duration::from_millis(ms)));
                     self.fail_group(f);
@@ -456,48 +484,50 @@ impl Dispatcher {
             }
     }
 
+    /// Takes a command as it arrives: `Status` and `Finalize` are answered at once and
+    /// never wait behind anything; the rest join the queue.
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Status { reply } => drop(reply.send(self.status())),
+            Command::Finalize { reply } => self.finalize(reply),
+            other => self.queue.push_back(other),
+        }
+    }
+
+    /// Runs queued commands, in arrival order, as soon as each can run; one that must
+    /// wait holds back only what has to follow it. Everything waits for a settled group
+    /// (no launch or teardown in progress). An `Execute` waits for the running task and
+    /// for any queued `Park`; a `Park` waits for the running task and events, never for
+    /// a queued `Execute` (the group is parked between the two tasks, and the next one
+    /// relaunches it); a `Start` and an `Event` wait for nothing else.
     fn drain_queue(&mut self) {
-        let mut budget = self.queue.len() + 1;
-        while budget > 0 {
-            budget -= 1;
-            let Some(cmd) = self.queue.pop_front() else {
-                return;
-            };
-            // Commands that need no settled group.
-            let cmd = match cmd {
-                Command::Status { reply } => {
-                    let _ = reply.send(self.status());
-                    continue;
+        let mut i = 0;
+        while i < self.queue.len() && self.settled() {
+            let ready = match &self.queue[i] {
+                Command::Start { .. } | Command::Event(_) => true,
+                Command::Execute(_) => {
+                    self.task.is_none()
+                        && !self.queue.iter().any(|c| matches!(c, Command::Park { .. }))
                 }
-                Command::Finalize { reply } => {
-                    self.finalize(reply);
-                    continue;
-                }
-                other => other,
+                Command::Park { .. } => self.task.is_none() && self.events.is_empty(),
+                Command::Status { .. } | Command::Finalize { .. } => true,
             };
-            if !self.settled() {
-                self.queue.push_front(cmd);
-                return;
+            if !ready {
+                i += 1;
+                continue;
             }
+            let Some(cmd) = self.queue.remove(i) else {
+                return;
+            };
             match cmd {
                 Command::Start {
                     props,
                     engine,
                     reply,
                 } => self.cmd_start(props, engine, reply),
-                Command::Execute(c) => {
-                    if self.task.is_some() {
-                        self.queue.push_front(Command::Execute(c));
-                        return;
-                    }
-                    self.cmd_execute(c);
-                }
+                Command::Execute(c) => self.cmd_execute(c),
                 Command::Event(c) => self.cmd_event(c),
                 Command::Park { reply } => {
-                    if self.task.is_some() || !self.events.is_empty() {
-                        self.queue.push_front(Command::Park { reply });
-                        return;
-                    }
                     if self.group.is_some() {
                         self.begin_stop(
                             "parked",
@@ -509,7 +539,8 @@ impl Dispatcher {
                         let _ = reply.send(());
                     }
                 }
-                Command::Status { .. } | Command::Finalize { .. } => unreachable!("handled above"),
+                Command::Status { reply } => drop(reply.send(self.status())),
+                Command::Finalize { reply } => self.finalize(reply),
             }
         }
     }
@@ -533,6 +564,7 @@ impl Dispatcher {
                 .map(|g| g.table.snapshot())
                 .unwrap_or_default(),
             restarts: self.restarts,
+            queued: self.queue.len(),
             log_dir: self.group.as_ref().map(|g| g.log_dir.clone()),
             endpoint: self.group.as_ref().map(|g| g.endpoint.clone()),
             finalized: self.finalized,
@@ -586,6 +618,15 @@ impl Dispatcher {
         if self.finalized {
             let _ = c.reply.send(Err(EventError::Finalized));
             return;
+        }
+        // An abort of the running task that has not reached us yet (its report may
+        // trail this command, as when an `ABORT_TASK` handler forwards the event) goes
+        // to the ranks first: a rank busy in an event handler would read it late.
+        if let Some(t) = &self.task
+            && t.aborting.is_none()
+            && let Some(reason) = t.cmd.abort.reason()
+        {
+            self.abort_task(t.id, reason);
         }
         if self.group.is_none() {
             // No ranks to tell (never started, parked, or torn down).
@@ -907,6 +948,7 @@ impl Dispatcher {
             last_seen,
             external: !builtin,
             closed_pending: BTreeMap::new(),
+            unanswering: Default::default(),
             failures: Vec::new(),
             oom_baselines: BTreeMap::new(),
             grant,
@@ -1017,7 +1059,8 @@ impl Dispatcher {
             limits: FrameLimits::for_max_frame(self.cfg.max_frame.bytes()),
         };
         let link = &mut g.links[rank as usize];
-        link.pid = c.hello.who.pid;
+        // The kernel's word for a local peer; a remote rank's claim is only reported.
+        link.pid = c.peer.pid().unwrap_or(c.hello.who.pid);
         link.pgid = c.hello.who.pgid;
         if let Err(e) = link.attach(c.channel, c.conn, &ctx) {
             self.fail_start(StartError::Threads {
@@ -1027,17 +1070,9 @@ impl Dispatcher {
             return;
         }
         if g.external && !g.table.has_rank(rank) {
-            // Not our child: watch it through a pidfd so teardown can signal it and see it go.
-            match g.table.add(
-                Role::ExternalRank(rank),
-                c.hello.who.pid,
-                c.hello.who.pgid,
-                false,
-            ) {
-                Ok((index, fd)) => g.watcher.watch(index, fd),
-                Err(e) => {
-                    debug!(rank, pid = c.hello.who.pid, error = %e, "cannot open a pidfd for the rank")
-                }
+            // Not our child: held by the pidfd its connection's kernel-given pid opened.
+            if let Some((index, fd)) = g.table.add_peer(rank, c.peer) {
+                g.watcher.watch(index, fd);
             }
         }
         debug!(rank, channel = c.channel.as_str(), pid = c.hello.who.pid, host = %c.hello.who.host, "rank connected");
@@ -1537,8 +1572,9 @@ impl Dispatcher {
                 reason,
                 forced: true,
             };
-            self.begin_stop(
+            self.begin_teardown(
                 "abort grace expired",
+                Teardown::Kill,
                 vec![Box::new(move |_, _| drop(cmd.reply.send(Err(err))))],
             );
         } else {
@@ -1562,8 +1598,9 @@ impl Dispatcher {
                 others: Vec::new(),
             };
             self.last_failure = Some(err.clone());
-            self.begin_stop(
+            self.begin_teardown(
                 "ranks did not stop after a rank failed",
+                Teardown::Kill,
                 vec![Box::new(move |_, _| drop(cmd.reply.send(Err(err))))],
             );
         }
@@ -1750,6 +1787,10 @@ impl Dispatcher {
     }
 
     fn begin_stop(&mut self, reason: &str, after: Vec<After>) {
+        self.begin_teardown(reason, Teardown::Graceful, after);
+    }
+
+    fn begin_teardown(&mut self, reason: &str, how: Teardown, after: Vec<After>) {
         let Some(g) = &mut self.group else {
             let report = FinalizeReport::default();
             for a in after {
@@ -1764,9 +1805,27 @@ impl Dispatcher {
             existing.extend(after);
             return;
         }
-        info!(%reason, "stopping the rank group");
+        info!(%reason, ?how, "stopping the rank group");
         if let Some(p) = &g.policy {
             p.stop_accepting();
+        }
+        let now = Instant::now();
+        if how == Teardown::Kill {
+            let sent = g.table.signal_all(TermSignal::Kill);
+            info!(targets = ?sent, "sent SIGKILL");
+            for l in &mut g.links {
+                l.shutdown();
+            }
+            g.phase = Phase::Stopping {
+                stage: TermStage::Killing,
+                deadline: now + KILL_WAIT,
+                started: now,
+                escalated: Some(TermSignal::Kill),
+                after,
+            };
+            g.closed_pending.clear();
+            self.maybe_finish_stop();
+            return;
         }
         if let Ok(f) = envelope::plain(&Message::Close {
             reason: reason.to_owned(),
@@ -1777,7 +1836,6 @@ impl Dispatcher {
                 link.send(Channel::Handle, f.clone());
             }
         }
-        let now = Instant::now();
         g.phase = Phase::Stopping {
             stage: TermStage::Closing,
             deadline: now + self.cfg.deadlines.shutdown_grace.0,
@@ -1790,6 +1848,12 @@ impl Dispatcher {
     }
 
     fn escalate(&mut self) {
+        self.escalate_once();
+        self.maybe_finish_stop();
+    }
+
+    /// Moves teardown to its next stage (`SIGTERM`, then `SIGKILL`, then giving up).
+    fn escalate_once(&mut self) {
         let Some(g) = &mut self.group else { return };
         let Phase::Stopping {
             stage,
@@ -1827,19 +1891,34 @@ impl Dispatcher {
                     "processes survived SIGKILL (stuck in the kernel?); giving up on them"
                 );
                 self.finish_stop(stuck);
-                return;
             }
         }
-        self.maybe_finish_stop();
     }
 
+    /// Finishes teardown once every process is gone, and skips a stage that no live
+    /// process can act on: the `Close` grace when no live rank can answer a `Close`
+    /// (never connected, silent, stopped, gone), the `SIGTERM` grace when every live
+    /// process is stopped (only `SIGKILL` acts on a stopped process).
     fn maybe_finish_stop(&mut self) {
-        let Some(g) = &self.group else { return };
-        if !matches!(g.phase, Phase::Stopping { .. }) {
-            return;
-        }
-        if g.table.all_exited() {
-            self.finish_stop(Vec::new());
+        loop {
+            let Some(g) = &self.group else { return };
+            let Phase::Stopping { stage, .. } = &g.phase else {
+                return;
+            };
+            if g.table.all_exited() {
+                self.finish_stop(Vec::new());
+                return;
+            }
+            let skip = match stage {
+                TermStage::Closing => !any_live_answers_close(g),
+                TermStage::Terminating => all_live_stopped(g),
+                TermStage::Killing => false,
+            };
+            if !skip {
+                return;
+            }
+            info!(stage = ?stage, "no live process can act on this stage; skipping its grace");
+            self.escalate_once();
         }
     }
 
@@ -1924,6 +2003,35 @@ impl Dispatcher {
         after.push(Box::new(move |_, report| drop(reply.send(report.clone()))));
         self.begin_stop("finalize", after);
     }
+}
+
+/// Whether some live process may still act on a `Close`: a launcher (it exits with its
+/// ranks), or a rank with a channel to receive it that is neither silent nor stopped.
+/// Only our own children are looked up in `/proc`: a pid a rank reports is not trusted.
+fn any_live_answers_close(g: &Group) -> bool {
+    g.table
+        .snapshot()
+        .iter()
+        .filter(|p| p.status.is_none())
+        .any(|p| match p.role {
+            Role::Launcher => true,
+            Role::Rank(r) | Role::ExternalRank(r) => {
+                let link = &g.links[r as usize];
+                let reachable = link.has(Channel::Exec) || link.has(Channel::Handle);
+                reachable
+                    && !g.unanswering.contains(&r)
+                    && !(matches!(p.role, Role::Rank(_)) && os::is_stopped(p.pid))
+            }
+        })
+}
+
+/// Whether every live process is one of our children and stopped.
+fn all_live_stopped(g: &Group) -> bool {
+    g.table
+        .snapshot()
+        .iter()
+        .filter(|p| p.status.is_none())
+        .all(|p| matches!(p.role, Role::Rank(_)) && os::is_stopped(p.pid))
 }
 
 fn describe_missing(g: &Group) -> String {

@@ -43,7 +43,6 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use crossbeam_channel::{Sender, bounded};
 use rankexec_protocol::{
@@ -205,13 +204,16 @@ impl MultiProcessExecutor {
         }
     }
 
-    /// The group's state and processes.
+    /// The group's state and processes. The dispatcher answers at once (a status never
+    /// waits behind a task or a queued command, and nothing blocks the dispatcher). If
+    /// the dispatcher thread has ended, the phase is `gone` and no process is listed.
     pub fn status(&self) -> Status {
         let (reply, rx) = bounded(1);
         if !self.send(Command::Status { reply }) {
-            return Status::default();
+            return Status::gone();
         }
-        rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default()
+        // The reply is dropped unanswered only if the dispatcher ends first.
+        rx.recv().unwrap_or_else(|_| Status::gone())
     }
 
     /// The pids of the group's live processes (ranks, and a launcher if there is one;

@@ -1,8 +1,12 @@
 //! The environment contract between an executor and its ranks, and rank discovery
 //! under external launchers.
 //!
-//! The executor always sets [`vars::ENDPOINT`], [`vars::SECRET`], [`vars::LAUNCH_ID`]
-//! and [`vars::WORLD_SIZE`]. With the built-in launcher it also sets each rank's
+//! The executor always sets [`vars::ENDPOINT`], [`vars::LAUNCH_ID`] and
+//! [`vars::WORLD_SIZE`]. The secret reaches a rank it spawns through an inherited pipe
+//! ([`vars::SECRET_FD`]), so it never sits in `/proc/PID/environ`; only ranks started
+//! by an external launcher (which passes no descriptors) get [`vars::SECRET`], and it
+//! stays in their environment: [`take_secret`] never edits the environment, which is
+//! unsound while other threads run. With the built-in launcher it also sets each rank's
 //! number ([`vars::RANK`], ...) and [`vars::PARENT_PID`]. Under torchrun, mpirun or srun
 //! the launcher sets the rank, and [`discover`] reads it from whichever variables that
 //! launcher uses; [`vars::RANK_SOURCE`] can pin which one.
@@ -22,8 +26,11 @@ pub mod vars {
     pub const LOCAL_WORLD_SIZE: &str = "RANKEXEC_LOCAL_WORLD_SIZE";
     /// Where to connect (`local:PATH` or `tcp:HOST:PORT`).
     pub const ENDPOINT: &str = "RANKEXEC_ENDPOINT";
-    /// The per-launch secret (hex). The rank removes it from its environment at start.
+    /// The per-launch secret (hex), for ranks an external launcher starts.
     pub const SECRET: &str = "RANKEXEC_SECRET";
+    /// The descriptor of an inherited pipe holding the secret (hex), for ranks the
+    /// executor spawns itself. Read once, then closed.
+    pub const SECRET_FD: &str = "RANKEXEC_SECRET_FD";
     /// The launch id, echoed in every handshake.
     pub const LAUNCH_ID: &str = "RANKEXEC_LAUNCH_ID";
     /// The parent's pid, set only when the parent spawned the rank directly; the rank
@@ -38,6 +45,50 @@ pub mod vars {
     pub const CONNECT_TIMEOUT_MS: &str = "RANKEXEC_CONNECT_TIMEOUT_MS";
     /// Where a rank writes a torchrun-style `error.json` when it fails.
     pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+}
+
+/// Why a rank has no secret.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// Neither variable is set.
+    #[error("neither {} nor {} is set", vars::SECRET_FD, vars::SECRET)]
+    Missing,
+    /// The descriptor variable is not a number.
+    #[error("{var}={value:?} is not a descriptor number", var = vars::SECRET_FD, value = .0)]
+    BadFd(String),
+    /// The descriptor cannot be read.
+    #[error("cannot read the secret from descriptor {fd}")]
+    Read {
+        /// The descriptor.
+        fd: i32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// What was read is not a secret.
+    #[error("the secret from {0} is not 64 hex digits")]
+    Invalid(&'static str),
+}
+
+/// The launch secret: read from the pipe at [`vars::SECRET_FD`] (which is then closed)
+/// when set, else from [`vars::SECRET`]. `get` reads a variable. The pipe can be taken
+/// once per process.
+pub fn take_secret(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<crate::wire::Secret, SecretError> {
+    if let Some(text) = get(vars::SECRET_FD) {
+        let fd: i32 = text
+            .trim()
+            .parse()
+            .map_err(|_| SecretError::BadFd(text.clone()))?;
+        let bytes = crate::os::take_inherited_pipe(fd, 256)
+            .map_err(|source| SecretError::Read { fd, source })?;
+        let hex = String::from_utf8_lossy(&bytes);
+        return crate::wire::Secret::from_hex(&hex)
+            .map_err(|_| SecretError::Invalid(vars::SECRET_FD));
+    }
+    let hex = get(vars::SECRET).ok_or(SecretError::Missing)?;
+    crate::wire::Secret::from_hex(&hex).map_err(|_| SecretError::Invalid(vars::SECRET))
 }
 
 /// Whose variables carry the rank.

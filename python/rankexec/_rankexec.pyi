@@ -2,9 +2,28 @@
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 from rankexec._shareable import Shareable
+
+__all__ = [
+    "Abort",
+    "Blob",
+    "BufferSealed",
+    "Context",
+    "EventFailed",
+    "NotARank",
+    "PrivateBuffer",
+    "PropConflict",
+    "Rank",
+    "RankexecError",
+    "ReplyError",
+    "SharedBuffer",
+    "Task",
+    "TaskAborted",
+    "start",
+    "worker_cli",
+]
 
 class RankexecError(Exception): ...
 class NotARank(RankexecError): ...
@@ -14,6 +33,7 @@ class PropConflict(RankexecError): ...
 class EventFailed(RankexecError): ...
 class BufferSealed(RankexecError): ...
 
+@final
 class Blob:
     """Read-only bytes, usually a mapping of a sealed shared memory file."""
 
@@ -30,16 +50,18 @@ class Blob:
     def copy_on_write(self) -> PrivateBuffer: ...
     def tobytes(self) -> bytes: ...
 
+@final
 class PrivateBuffer:
     """A writable, private (copy-on-write) view of a blob."""
 
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
 
+@final
 class SharedBuffer:
     """An output buffer in shared memory, filled in place, sent without a copy."""
 
-    def __init__(self, nbytes: int) -> None: ...
+    def __new__(cls, nbytes: int) -> SharedBuffer: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __len__(self) -> int: ...
     @property
@@ -52,6 +74,7 @@ class SharedBuffer:
     def address(self) -> int: ...
     def seal(self) -> Blob: ...
 
+@final
 class Abort:
     """A task's abort signal."""
 
@@ -62,6 +85,7 @@ class Abort:
     def wait(self, timeout: float | None = None) -> bool: ...
     def __bool__(self) -> bool: ...
 
+@final
 class Context:
     """Who this rank is, the task's properties, and events to the host."""
 
@@ -81,6 +105,7 @@ class Context:
     ) -> None: ...
     def fire_event(self, event: str, props: dict[str, Any] | None = None) -> None: ...
 
+@final
 class Task:
     """One task; answer it once with `reply` or `fail`."""
 
@@ -109,6 +134,7 @@ class Task:
     ) -> None: ...
     def fail(self, error: BaseException) -> None: ...
 
+@final
 class Rank:
     """This process serving as a rank."""
 
@@ -129,6 +155,7 @@ def worker_cli(args: list[str]) -> int: ...
 
 # ---- host side (python/src/host/; wrapped by rankexec.host.RankGroup) ----------------
 
+@final
 class HostBlob:
     """A blob a rank returned: a read-only buffer (no copy)."""
 
@@ -138,6 +165,7 @@ class HostBlob:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class _HostGroup:
     def __init__(
         self,

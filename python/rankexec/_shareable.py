@@ -44,5 +44,5 @@ def byte_view(obj: Any, name: str) -> memoryview:
     if not view.c_contiguous:
         import numpy as np
 
-        view = memoryview(np.ascontiguousarray(obj))
+        view = memoryview(np.ascontiguousarray(obj))  # type: ignore[arg-type]
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view

@@ -95,7 +95,7 @@ def pack(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) 
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     base = 8 + len(text)
     buf = SharedBuffer(base + offset)
-    out = np.frombuffer(buf, dtype=np.uint8)
+    out = np.frombuffer(memoryview(buf), dtype=np.uint8)
     out[:8] = np.frombuffer(len(text).to_bytes(8, "little"), dtype=np.uint8)
     out[8:base] = np.frombuffer(text, dtype=np.uint8)
     for name, (_, _, data) in raws.items():
@@ -177,7 +177,7 @@ def to_blobs(tensors: Mapping[str, Any]) -> dict[str, Any]:
         a = np.ascontiguousarray(a, dtype="<f4").reshape(-1)
         if a.nbytes >= 64 << 10:
             buf = SharedBuffer(a.nbytes)
-            np.frombuffer(buf, dtype="<f4")[:] = a
+            np.frombuffer(memoryview(buf), dtype="<f4")[:] = a
             out[name] = buf
         else:
             out[name] = a

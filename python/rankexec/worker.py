@@ -14,6 +14,7 @@ With arguments it answers the worker command line: `--check-components JSON`,
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from rankexec import _rankexec
 
@@ -23,10 +24,12 @@ __all__ = ["main", "serve"]
 def serve(rank: _rankexec.Rank) -> int:
     """Runs every task on its component until the host closes the group."""
     while (task := rank.receive()) is not None:
-        component = task.component
+        component: Any = task.component  # always set in component style
         try:
             out = component.execute(task.name, task.input, task.ctx, task.abort)
         except BaseException as e:
+            if e.__traceback__ is not None:
+                e.__traceback__ = e.__traceback__.tb_next  # start at the user's frame
             task.fail(e)
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the rank stops

@@ -1,7 +1,7 @@
 """Fixtures: a host (`rankexec-pydriver`) driving real rank groups of real Python.
 
-Build first: `cargo build --release` (the driver and the CLI) and
-`maturin develop --release` in `python/` (this package). `RANKEXEC_BIN` and
+Build first: `cargo build --release` (or `cargo test --workspace`: the driver and the
+CLI) and `maturin develop --release` in `python/` (this package). `RANKEXEC_BIN` and
 `RANKEXEC_PYDRIVER` override where the binaries are found.
 """
 
@@ -20,10 +20,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 COMPONENTS = HERE / "components"
-BIN = Path(os.environ.get("RANKEXEC_BIN", REPO / "target" / "release" / "rankexec"))
-DRIVER = Path(
-    os.environ.get("RANKEXEC_PYDRIVER", REPO / "target" / "release" / "rankexec-pydriver")
-)
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+
+
+def _binary(var: str, name: str) -> Path:
+    """`$var`, else the newer of the release and debug builds (`cargo build --release`
+    or `cargo test --workspace` makes them)."""
+    if var in os.environ:
+        return Path(os.environ[var])
+    found = [p for p in (TARGET / "release" / name, TARGET / "debug" / name) if p.exists()]
+    if not found:
+        return TARGET / "release" / name
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+BIN = _binary("RANKEXEC_BIN", "rankexec")
+DRIVER = _binary("RANKEXEC_PYDRIVER", "rankexec-pydriver")
 # The ranks' `python` is this interpreter, found on PATH.
 PYBIN = str(Path(sys.executable).parent)
 
@@ -42,6 +54,21 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def pids_with_env(fragment: str) -> list[int]:
+    """Live processes whose environment mentions `fragment` (every rank, and a launcher,
+    has the group's log directory in `RANKEXEC_LOG_DIR`)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if fragment.encode() in (d / "environ").read_bytes() and pid_alive(int(d.name)):
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
 
 
 def wait_until(cond, timeout: float, what: str) -> None:

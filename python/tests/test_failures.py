@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
-from conftest import Host, executor_config, pid_alive, read_notes, wait_until
+from conftest import Host, executor_config, pid_alive, pids_with_env, read_notes, wait_until
 
 
 def test_exception_on_rank_1_has_rank_and_traceback_and_group_stays(host, tmp_path):
@@ -24,6 +23,18 @@ def test_exception_on_rank_1_has_rank_and_traceback_and_group_stays(host, tmp_pa
     ok = host.send(op="task", task="look", blobs={"x": {"len": 8, "byte": 1}})
     assert ok["ok"], ok
     assert host.send(op="pids")["pids"] == started["pids"], "same processes"
+
+
+def test_heartbeats_do_not_need_the_gil(host, tmp_path):
+    cfg = executor_config("ranks:Probe", 2, {"out_dir": str(tmp_path)}, log_dir=tmp_path)
+    cfg["deadlines"].update({"heartbeat_interval": "100ms", "heartbeat_timeout": "1s"})
+    started = host.start(cfg)
+    assert started["ok"]
+    # Each rank holds the GIL for 3 heartbeat timeouts; its heartbeats go on.
+    r = host.send(op="task", task="hold_gil", meta={"seconds": 3.0})
+    print("GIL held 3 s with a 1 s heartbeat timeout:", r.get("meta"), r.get("error"))
+    assert r["ok"] and r["meta"]["held"] == 3.0, r
+    assert host.send(op="pids")["pids"] == started["pids"]
 
 
 @pytest.mark.parametrize(("how", "cls"), [("exit", "exit_code"), ("segv", "signal")])
@@ -101,14 +112,40 @@ def test_sigkill_of_the_host_leaves_no_rank(tmp_path, launcher):
             f"{launcher}: workers {workers} (sessions {[n['sid'] for n in notes]}), group {group}"
         )
         assert all(pid_alive(p) for p in workers)
+        assert set(workers) <= set(pids_with_env(str(tmp_path))), "the scan sees the ranks"
         h.proc.kill()
         h.proc.wait(10)
         wait_until(lambda: not any(pid_alive(p) for p in workers + group), 15, "no rank left")
     finally:
         if h.proc.poll() is None:
             h.proc.kill()
-    # And nothing of ours under any name either.
-    ps = subprocess.run(
-        ["ps", "-eo", "pid,args"], check=False, capture_output=True, text=True
-    ).stdout
-    assert str(out) not in ps
+    # Nor any process we did not know the pid of (torchrun itself, its workers).
+    assert pids_with_env(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("launcher", ["builtin", "torchrun"])
+def test_no_worker_outlives_a_forced_abort_or_a_finalize(host, tmp_path, launcher):
+    out = tmp_path / "notes"
+    out.mkdir()
+    extra = {} if launcher == "builtin" else {"launcher": {"torchrun": {}}}
+    cfg = executor_config("ranks:Probe", 2, {"out_dir": str(out)}, log_dir=tmp_path, **extra)
+    cfg["deadlines"].update({"abort_grace": "1s", "term_grace": "1s"})
+    assert host.start(cfg)["ok"]
+
+    def workers() -> list[int]:
+        assert host.send(op="task", task="pid")["ok"]
+        pids = [n["pid"] for n in read_notes(out, "pid", 2)]
+        for p in out.glob("pid-*.json"):
+            p.unlink()
+        return pids
+
+    first = workers()
+    r = host.send(op="task", task="ignore_abort", abort_after_ms=300)
+    print(f"{launcher} forced abort:", r["error"])
+    assert not r["ok"] and r["aborted"] and r["forced"], r
+    wait_until(lambda: not any(pid_alive(p) for p in first), 15, "workers gone after abort")
+    second = workers()  # the next task relaunches the group
+    assert not set(first) & set(second)
+    stop = host.send(op="stop")
+    assert stop["ok"] and stop["unkillable"] == [], stop
+    wait_until(lambda: not any(pid_alive(p) for p in second), 15, "workers gone after finalize")

@@ -12,7 +12,9 @@ def test_64mib_input_reaches_4_ranks_as_the_same_memory(host, tmp_path):
     out.mkdir()
     cfg = executor_config("ranks:Probe", 4, {"out_dir": str(out)}, log_dir=tmp_path)
     assert host.start(cfg)["ok"]
-    r = host.send(op="task", task="look", blobs={"x": {"len": 64 * MIB, "byte": 42}})
+    r = host.send(
+        op="task", task="look", meta={"torch": True}, blobs={"x": {"len": 64 * MIB, "byte": 42}}
+    )
     assert r["ok"], r
     host_inode = r["input_inodes"]["x"]
     notes = read_notes(out, "look", 4)
@@ -24,6 +26,7 @@ def test_64mib_input_reaches_4_ranks_as_the_same_memory(host, tmp_path):
     for n in notes:
         assert n["shared"] and n["nbytes"] == 64 * MIB
         assert n["same_pointer"], "np.frombuffer points into the mapping itself"
+        assert n["torch_same_pointer"], "so does torch.frombuffer"
         assert not n["writeable"], "the input is read-only"
         assert (n["first"], n["last"]) == (42, 42)
 

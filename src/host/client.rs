@@ -5,6 +5,10 @@
 //! lifecycle events (`START_RUN`, `BEFORE_TASK_EXECUTION`, `AFTER_TASK_EXECUTION`,
 //! `ABORT_TASK`, `END_RUN`) and turns the controller's aborts into the executor's
 //! abort signal (task abort) or a full teardown (job abort, [`ClientRuntime::end`]).
+//!
+//! A task abort never waits on a round trip: the executor's ranks get `Abort` through
+//! the abort signal, and `ABORT_TASK` is fired on the handlers from a thread of its own
+//! (see `tell_handlers_of_abort`), so the controller can abort every client at once.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -79,6 +83,34 @@ struct Routed {
     tasks: Vec<String>,
     executor: Arc<dyn Executor>,
     group: Option<Arc<MultiProcessExecutor>>,
+}
+
+/// Fires `ABORT_TASK` on the site's handlers, on a thread of its own.
+///
+/// The trigger comes from the controller's thread, which aborts one client after
+/// another, and firing the event is a round trip (a `MultiProcessExecutor` delivers it
+/// to its ranks and waits for their acknowledgements, up to its event deadline). The
+/// task's executor does not need the event to stop: its own subscription to the abort
+/// signal has already sent `Abort` to its ranks (the dispatcher sends an abort it has
+/// not seen before any later event). The thread ends with the round trip, bounded by
+/// the event deadline.
+fn tell_handlers_of_abort(engine: Arc<ClientEngine>, site: String) {
+    let spawned = std::thread::Builder::new()
+        .name("rx-abort-task".to_owned())
+        .spawn(move || {
+            let _span = info_span!("client", site = %site).entered();
+            let mut ctx = engine.new_context();
+            if let Err(e) = engine.fire_event(&EventType::ABORT_TASK, &mut ctx) {
+                tracing::warn!(
+                    "a handler of {}: {}",
+                    EventType::ABORT_TASK,
+                    rankexec_protocol::error_chain(&e)
+                );
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a thread to fire ABORT_TASK; handlers are not told");
+    }
 }
 
 /// One site.
@@ -216,11 +248,8 @@ impl ClientRuntime {
         };
         fire(&EventType::BEFORE_TASK_EXECUTION, &mut ctx)?;
         let tell_abort = {
-            let engine = self.engine.clone();
-            abort.on_trigger(move || {
-                let mut c = engine.new_context();
-                let _ = engine.fire_event(&EventType::ABORT_TASK, &mut c);
-            })
+            let (engine, site) = (self.engine.clone(), self.site.clone());
+            abort.on_trigger(move || tell_handlers_of_abort(engine, site))
         };
         let out = routed
             .executor

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `Echo` | executor | returns its input, plus `rank` |
 //! | `Sum` | executor | sums the numbers in meta `values`, times `scale`; returns `sum`, `rank` |
-//! | `Digest` | executor | returns a checksum and the size of every blob (the fan-out benchmark) on chosen ranks |
+//! | `Digest` | executor | returns a checksum, the size and (when mapped from a file) the inode of every blob (the fan-out benchmark) on chosen ranks |
 //! | `Sleep` | executor | sleeps `secs` (meta or args), waking at once on abort unless `ignore_abort` |
 //! | `Fail` | executor | fails (as an exception or out of memory) on chosen ranks (and `tasks`), at build or execute |
 //! | `Panic` | executor | panics on chosen ranks, at build or execute |
@@ -186,6 +186,11 @@ impl Executor for Digest {
             out.set_meta(format!("digest:{name}"), checksum(blob) as i64);
             out.set_meta(format!("bytes:{name}"), blob.len());
             out.set_meta(format!("shared:{name}"), blob.is_shared());
+            // Which file's pages this rank reads: the parent's memory file, if shared.
+            if let Some(inode) = crate::os::mapped_inode(blob.as_ptr() as usize) {
+                out.set_meta(format!("inode:{name}"), inode as i64);
+                tracing::info!(rank, blob = %name, inode, "digest reads a mapped file");
+            }
         }
         Ok(out)
     }
@@ -549,6 +554,9 @@ struct EventLogArgs {
     /// Sleep this long in every handler (to play a rank that acknowledges too late).
     #[serde(default)]
     delay_ms: u64,
+    /// Only these events are slow (default: every event).
+    #[serde(default)]
+    delay_events: Vec<String>,
 }
 
 /// Appends each event name to `rank-N/events.log` and sets `set` as public props.
@@ -556,6 +564,7 @@ struct EventLog {
     set: BTreeMap<String, Value>,
     file: Option<std::sync::Mutex<std::fs::File>>,
     delay: Duration,
+    delay_events: Vec<String>,
 }
 
 fn event_log(a: EventLogArgs) -> Result<EventLog, ComponentError> {
@@ -581,12 +590,15 @@ fn event_log(a: EventLogArgs) -> Result<EventLog, ComponentError> {
             .collect(),
         file,
         delay: Duration::from_millis(a.delay_ms),
+        delay_events: a.delay_events,
     })
 }
 
 impl FlComponent for EventLog {
     fn handle_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), ComponentError> {
-        std::thread::sleep(self.delay);
+        if self.delay_events.is_empty() || self.delay_events.iter().any(|e| e == event.as_str()) {
+            std::thread::sleep(self.delay);
+        }
         if let Some(f) = &self.file {
             let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             writeln!(f, "{event}")

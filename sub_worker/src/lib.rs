@@ -28,6 +28,8 @@
 //! - [`run`]: serve as a rank ([`rank`] explains threads, exit codes and caveats).
 //! - [`builtins`]: the components of `rankexec-worker`.
 //! - [`rank_info`]: who this rank is, for component constructors.
+//! - [`embed`]: the runtime on background threads, handing tasks to a foreign-language
+//!   caller (the Python package).
 //!
 //! This crate does not depend on NVML: a rank learns its GPU from
 //! `CUDA_VISIBLE_DEVICES`, set by the executor.

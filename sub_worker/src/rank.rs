@@ -146,13 +146,10 @@ fn settings() -> Result<Settings, StartupError> {
         .ok_or(StartupError::Missing(vars::ENDPOINT))?
         .parse()
         .map_err(|e| StartupError::Invalid(vars::ENDPOINT, Box::new(e)))?;
-    let secret = Secret::from_hex(&var(vars::SECRET).ok_or(StartupError::Missing(vars::SECRET))?)
-        .map_err(|e| StartupError::Invalid(vars::SECRET, Box::new(e)))?;
-    // SAFETY: `remove_var` is unsafe because another thread could read the environment
-    // at the same time. `run` calls this before it starts any thread, and the worker
-    // binary's `main` starts none. Removing the secret keeps it out of the environment
-    // of anything a component spawns (tested by `secret_does_not_leak_to_components`).
-    unsafe { std::env::remove_var(vars::SECRET) };
+    // From an inherited pipe (closed once read) for ranks the executor spawned; the
+    // environment is never edited (unsound with threads).
+    let secret =
+        env::take_secret(&var).map_err(|e| StartupError::Invalid("secret", Box::new(e)))?;
     let launch_id = var(vars::LAUNCH_ID).ok_or(StartupError::Missing(vars::LAUNCH_ID))?;
     let connect_timeout = match var(vars::CONNECT_TIMEOUT_MS) {
         Some(ms) => Duration::from_millis(

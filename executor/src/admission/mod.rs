@@ -199,7 +199,7 @@ impl Admission {
                 // Configuration errors are raised before the transaction (see below).
                 Err(e) => {
                     return Err(Refusal {
-                        message: e.to_string(),
+                        message: rankexec_protocol::error_chain(&e),
                     });
                 }
             };
@@ -283,7 +283,7 @@ impl Admission {
                 .transaction(decide)
                 .map_err(|e| AdmissionError::Ledger {
                     path: self.ledger.path().display().to_string(),
-                    message: e.to_string(),
+                    message: rankexec_protocol::error_chain(&e),
                 })?
         } else {
             decide(&[]).map(|(p, _)| (p, None))

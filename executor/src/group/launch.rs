@@ -9,9 +9,17 @@
 //!
 //! **External** (torchrun, mpirun, srun, any command): one launcher process is spawned
 //! as the leader of a new group, from an argv template (no shell, so no quoting bugs).
-//! Its ranks are not our children: each one reports its pid and process group in its
-//! hello, and teardown signals those too (torchrun and mpirun give every rank its own
-//! group).
+//! Its ranks are not our children. A rank on a local socket is known by the pid the
+//! kernel gives for its connection (`SO_PEERCRED`, see `session::accept`), held by a
+//! pidfd, and teardown signals it and its own process group too: torchrun (2.x) starts
+//! every worker in a session of its own, so a signal to torchrun's group misses them.
+//! Ranks over TCP are never signalled: only `Close` and their launcher end them.
+//!
+//! **Tracking from the start**: a pidfd is opened for every process we spawn before its
+//! `Child` is dropped. If that fails (out of descriptors), the child is killed and
+//! waited for through the `Child` at once, so no process of ours is ever untracked.
+//! We refuse to spawn at all while `SIGCHLD` is ignored (or `SA_NOCLDWAIT`): the kernel
+//! would reap our children itself, and their pids could be reused while held.
 //!
 //! Ranks get the environment contract of [`rankexec_protocol::env`], plus a superset of
 //! torchrun's variables (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
@@ -20,7 +28,7 @@
 //! `TORCHELASTIC_ERROR_FILE`).
 
 use std::collections::BTreeMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -74,10 +82,11 @@ fn apply_env(cmd: &mut Command, plan: &LaunchPlan, extra: Option<&BTreeMap<Strin
             }
         }
     }
-    // Never pass on our own contract variables if this host is itself a rank.
+    // Never pass on our own contract variables if this host is itself a rank (the log
+    // filter is not part of the contract: it reaches ranks).
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy();
-        if k.starts_with("RANKEXEC_") || k == vars::ERROR_FILE {
+        if (k.starts_with("RANKEXEC_") && k != "RANKEXEC_LOG") || k == vars::ERROR_FILE {
             cmd.env_remove(k.as_ref());
         }
     }
@@ -111,16 +120,80 @@ fn take_pipes(
     }
 }
 
+/// Tracks a child we just spawned, before its `Child` is dropped. On failure the
+/// child is killed and reaped through the `Child` (it is unreaped, so its pid is still
+/// its own), so nothing is left running untracked.
 fn track(
     table: &ProcessTable,
     watcher: &ExitWatcher,
     role: Role,
-    pid: u32,
+    child: &mut std::process::Child,
     pgid: u32,
 ) -> std::io::Result<()> {
-    let (index, fd) = table.add(role, pid, pgid, true)?;
-    watcher.watch(index, fd);
-    Ok(())
+    let pid = child.id();
+    let tracked = crate::os::pidfd_open(pid).and_then(|fd| table.add(role, pid, pgid, fd, true));
+    match tracked {
+        Ok((index, fd)) => {
+            watcher.watch(index, fd);
+            Ok(())
+        }
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
+/// Moves the secret from the rank's environment into a pipe the rank inherits (its
+/// number in [`vars::SECRET_FD`]): the whole secret is written and the write end
+/// closed before the spawn, so the rank reads to end of file. Returns the parent's
+/// copy of the read end, to drop once the rank is spawned.
+fn secret_pipe(cmd: &mut Command, plan: &LaunchPlan) -> std::io::Result<Option<OwnedFd>> {
+    use std::io::Write as _;
+    use std::os::fd::{AsFd, AsRawFd};
+    let Some(secret) = plan.common.get(vars::SECRET) else {
+        return Ok(None);
+    };
+    cmd.env_remove(vars::SECRET);
+    let (reader, mut writer) = std::io::pipe()?;
+    writer.write_all(secret.as_bytes())?;
+    drop(writer);
+    // Above the standard streams, which the spawn replaces; close-on-exec stays set
+    // here so no other process spawned meanwhile inherits it.
+    let reader = rustix::io::fcntl_dupfd_cloexec(OwnedFd::from(reader).as_fd(), 3)?;
+    let raw = reader.as_raw_fd();
+    cmd.env(vars::SECRET_FD, raw.to_string());
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed; `fcntl(F_SETFD)` is one (rustix issues the
+    // raw syscall, no allocation, no lock). `raw` is the read end duplicated above,
+    // open in the parent until this spawn returns (the caller holds it), so it is open
+    // in the child too. Tested by `tests/secret_pipe.rs` (the rank reads the secret
+    // from it and its environment holds none).
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = BorrowedFd::borrow_raw(raw);
+            rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+            Ok(())
+        });
+    }
+    Ok(Some(reader))
+}
+
+/// Refuses to spawn while the kernel would reap our children behind our back.
+fn check_sigchld(program: &Path) -> Result<(), StartError> {
+    match crate::os::sigchld_discards_children() {
+        Ok(false) => Ok(()),
+        Ok(true) => Err(spawn_error(
+            "the rank group".into(),
+            program,
+            std::io::Error::other(
+                "SIGCHLD is ignored in this process (SIG_IGN or SA_NOCLDWAIT), so the kernel \
+                 would reap ranks before their exit could be seen; restore its default action",
+            ),
+        )),
+        Err(e) => Err(spawn_error("the rank group".into(), program, e)),
+    }
 }
 
 /// Starts the processes. Call from the dispatcher thread only (see the module docs).
@@ -129,6 +202,7 @@ pub(crate) fn launch(
     table: &ProcessTable,
     watcher: &ExitWatcher,
 ) -> Result<Launched, StartError> {
+    check_sigchld(&plan.program)?;
     let mut pipes = Vec::new();
     match &plan.launcher {
         LauncherConfig::Builtin => {
@@ -141,6 +215,10 @@ pub(crate) fn launch(
                     .stderr(Stdio::piped())
                     .process_group(pgid as i32);
                 apply_env(&mut cmd, plan, plan.per_rank.get(rank as usize));
+                // Held until the rank is spawned: the parent's copy of the read end closes
+                // when this drops, so only the rank holds it.
+                let _secret_pipe = secret_pipe(&mut cmd, plan)
+                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
                 let mut own_group = false;
                 let mut child = match cmd.spawn() {
                     Ok(c) => c,
@@ -160,12 +238,12 @@ pub(crate) fn launch(
                     pgid = pid;
                 }
                 let rank_pgid = if own_group { pid } else { pgid };
+                track(table, watcher, Role::Rank(rank), &mut child, rank_pgid)
+                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
                 take_pipes(&mut child, Source::Rank(rank), &mut pipes);
                 // The watcher reaps through the pidfd; std's `Child` neither waits nor
                 // kills on drop.
                 drop(child);
-                track(table, watcher, Role::Rank(rank), pid, rank_pgid)
-                    .map_err(|e| spawn_error(format!("rank {rank}"), &plan.program, e))?;
             }
             Ok(Launched { pipes, pgid })
         }
@@ -189,10 +267,10 @@ pub(crate) fn launch(
                 .spawn()
                 .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
             let pid = child.id();
+            track(table, watcher, Role::Launcher, &mut child, pid)
+                .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
             take_pipes(&mut child, Source::Launcher, &mut pipes);
             drop(child);
-            track(table, watcher, Role::Launcher, pid, pid)
-                .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;
             Ok(Launched { pipes, pgid: pid })
         }
     }

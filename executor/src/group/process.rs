@@ -78,15 +78,16 @@ impl ProcessTable {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Tracks a process. Returns its index and a duplicate pidfd for the exit watcher.
+    /// Tracks a process through a pidfd already opened for it. Returns its index and a
+    /// duplicate pidfd for the exit watcher.
     pub(crate) fn add(
         &self,
         role: Role,
         pid: u32,
         pgid: u32,
+        pidfd: OwnedFd,
         child: bool,
     ) -> std::io::Result<(usize, OwnedFd)> {
-        let pidfd = os::pidfd_open(pid)?;
         let dup = pidfd.try_clone()?;
         let mut entries = self.lock();
         entries.push(Entry {
@@ -157,6 +158,37 @@ impl ProcessTable {
             }
         }
         sent
+    }
+
+    /// Tracks a rank that an external launcher started, by what the kernel says of its
+    /// connection (never by what its hello claims). A TCP peer (perhaps on another
+    /// host), a process already gone, and the host itself are not tracked: nothing of
+    /// theirs is ever signalled. Returns the index and a pidfd for the exit watcher.
+    pub(crate) fn add_peer(
+        &self,
+        rank: u32,
+        peer: crate::session::accept::PeerProcess,
+    ) -> Option<(usize, OwnedFd)> {
+        use crate::session::accept::PeerProcess;
+        let PeerProcess::Local { pid, pgid, pidfd } = peer else {
+            tracing::debug!(rank, ?peer, "rank not tracked: no local process to hold");
+            return None;
+        };
+        if pid == os::own_pid() {
+            tracing::warn!(
+                rank,
+                pid,
+                "rank's connection comes from the host itself; not tracked"
+            );
+            return None;
+        }
+        match self.add(Role::ExternalRank(rank), pid, pgid, pidfd, false) {
+            Ok(added) => Some(added),
+            Err(e) => {
+                tracing::warn!(rank, pid, error = %e, "cannot watch the rank's process");
+                None
+            }
+        }
     }
 
     /// Whether every tracked process has exited.

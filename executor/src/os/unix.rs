@@ -136,9 +136,51 @@ pub(crate) fn signal_pidfd(pidfd: &OwnedFd, sig: TermSignal) -> io::Result<()> {
     Ok(rustix::process::pidfd_send_signal(pidfd, sig.rustix())?)
 }
 
-/// Signals every process of a group.
+/// Signals every process of a group. Refuses our own group (and group 0 or 1, which
+/// `killpg` would read as "ours" or "everyone").
 pub(crate) fn signal_group(pgid: u32, sig: TermSignal) -> io::Result<()> {
+    if pgid <= 1 || pgid == own_pgid() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("process group {pgid} is the host's own or not a group"),
+        ));
+    }
     nix::sys::signal::killpg(Pid::from_raw(pgid as i32), sig.nix()).map_err(io::Error::from)
+}
+
+/// Our process group.
+pub(crate) fn own_pgid() -> u32 {
+    rustix::process::getpgrp().as_raw_nonzero().get() as u32
+}
+
+/// The process group of `pid`, as the OS says.
+pub(crate) fn pgid_of(pid: u32) -> io::Result<u32> {
+    let pid = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "pid 0"))?;
+    Ok(rustix::process::getpgid(Some(pid))?.as_raw_nonzero().get() as u32)
+}
+
+/// Whether the process behind `pidfd` has exited (its pidfd is readable).
+pub(crate) fn exited(pidfd: &OwnedFd) -> io::Result<bool> {
+    Ok(poll_readable(&[pidfd.as_fd()], Some(Duration::ZERO))?[0])
+}
+
+/// Whether `SIGCHLD` is ignored or set to `SA_NOCLDWAIT`: the kernel then reaps our
+/// children itself, so their exit status is lost and their pids may be reused while
+/// we still hold them for signalling.
+pub(crate) fn sigchld_discards_children() -> io::Result<bool> {
+    let mut old = std::mem::MaybeUninit::<libc::sigaction>::zeroed();
+    // SAFETY: `sigaction` with a null new action only reads the current disposition
+    // into `old`, which is a valid, zeroed `struct sigaction` we own; it installs
+    // nothing and runs nothing in signal context. Tested by
+    // `sigchld_disposition_is_read` below and `tests/sigchld_ignored.rs`.
+    let rc = unsafe { libc::sigaction(libc::SIGCHLD, std::ptr::null(), old.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `sigaction` returned 0, so it filled `old`; it was zeroed before anyway.
+    let old = unsafe { old.assume_init() };
+    Ok(old.sa_sigaction == libc::SIG_IGN || old.sa_flags & libc::SA_NOCLDWAIT != 0)
 }
 
 /// Our pid.
@@ -248,6 +290,19 @@ impl OomCounter {
     }
 }
 
+/// Whether `pid` is stopped (`SIGSTOP`, `SIGTSTP`, or a tracer): such a process
+/// answers nothing and acts on no signal but `SIGKILL` until it is continued. False
+/// when the process cannot be read (gone, or another's).
+pub(crate) fn is_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command name, which is in parentheses and may hold any byte.
+    stat.rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next())
+        .is_some_and(|state| state == "T" || state == "t")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +343,46 @@ mod tests {
         let st = reap(&fd).unwrap().unwrap();
         assert_eq!(st.signal(), Some(9));
         assert_eq!(st.to_string(), "signal 9 (SIGKILL)");
+    }
+
+    #[test]
+    #[expect(
+        clippy::zombie_processes,
+        reason = "reaped through the pidfd, not Child::wait"
+    )]
+    fn a_stopped_process_reads_as_stopped() {
+        let child = Command::new("sleep").arg("30").spawn().unwrap();
+        let fd = pidfd_open(child.id()).unwrap();
+        assert!(!is_stopped(child.id()));
+        // Our unreaped child: its pid cannot have been reused.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            Signal::SIGSTOP,
+        )
+        .unwrap();
+        let t = Instant::now();
+        while !is_stopped(child.id()) {
+            assert!(t.elapsed() < Duration::from_secs(10), "never seen stopped");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        signal_pidfd(&fd, TermSignal::Kill).unwrap();
+        poll_readable(&[fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
+        reap(&fd).unwrap();
+        assert!(!is_stopped(child.id()), "a reaped process is not stopped");
+    }
+
+    #[test]
+    fn sigchld_disposition_is_read() {
+        // The test harness leaves SIGCHLD at its default.
+        assert!(!sigchld_discards_children().unwrap());
+    }
+
+    #[test]
+    fn own_group_is_never_signalled() {
+        let e = signal_group(own_pgid(), TermSignal::Term).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        assert!(signal_group(1, TermSignal::Term).is_err());
+        assert_eq!(pgid_of(std::process::id()).unwrap(), own_pgid());
     }
 
     #[test]

@@ -14,6 +14,21 @@
 //! - with the built-in launcher, its pid is not the pid spawned for that rank.
 //!
 //! Refused connections never disturb the group: valid ranks keep connecting.
+//!
+//! # Whose pid
+//!
+//! A rank's pid and process group in its hello are claims, never used to signal
+//! anything. On a local socket the kernel names the peer (`SO_PEERCRED`); for a rank we
+//! did not spawn (external launchers) the handshake thread opens a pidfd for that pid
+//! and reads its process group from the OS, and [`Connected::peer`] carries them as a
+//! [`PeerProcess::Local`]. A TCP peer is [`PeerProcess::Remote`]: it may be on another
+//! host, so nothing of ours ever signals it; it is torn down through `Close` and its
+//! launcher.
+//!
+//! Caveat: `SO_PEERCRED` names the process that called `connect`. The pidfd is opened
+//! once the handshake succeeds, so a peer that exits during its own handshake and whose
+//! pid is reused within those milliseconds would name another process of the same user
+//! (a peer of another user is refused before).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,7 +36,7 @@ use std::time::Duration;
 
 use rankexec_protocol::wire::message::{Hello, Identity};
 use rankexec_protocol::wire::{Channel, Conn, Listener, Secret, effective_uid, server_handshake};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::os::{self, Waker};
 
@@ -83,6 +98,18 @@ impl AcceptPolicy {
         }
     }
 
+    /// The process behind a connection of `rank`: a pidfd is opened only for a local
+    /// rank we did not spawn (ours have theirs from the spawn on).
+    fn peer(&self, rank: u32, peer_pid: Option<u32>) -> PeerProcess {
+        match peer_pid {
+            None => PeerProcess::Remote,
+            Some(pid) => match self.expected_pids.get(rank as usize) {
+                Some(Some(_)) => PeerProcess::Spawned { pid },
+                _ => PeerProcess::open(pid),
+            },
+        }
+    }
+
     fn admit(&self, h: &Identity, peer_pid: Option<u32>) -> Result<(), String> {
         if h.launch_id != self.launch_id {
             return Err(format!("launch `{}` is not this group's", h.launch_id));
@@ -130,6 +157,53 @@ pub(crate) struct Connected {
     pub(crate) channel: Channel,
     pub(crate) conn: Conn,
     pub(crate) hello: Hello,
+    /// The process at the other end, as the kernel (not the hello) says.
+    pub(crate) peer: PeerProcess,
+}
+
+/// The process behind a connection, as far as the OS can vouch for it.
+#[derive(Debug)]
+pub(crate) enum PeerProcess {
+    /// A rank we spawned (its pid matched the spawned one): already tracked.
+    Spawned { pid: u32 },
+    /// A process on this host named by `SO_PEERCRED`, held by a pidfd, with its process
+    /// group read from the OS.
+    Local { pid: u32, pgid: u32, pidfd: OwnedFd },
+    /// A local peer whose pidfd could not be opened (it has exited): nothing to signal.
+    Gone { pid: u32 },
+    /// A TCP peer, perhaps on another host: never signalled.
+    Remote,
+}
+
+impl PeerProcess {
+    /// The verified local pid, if there is one.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        match self {
+            PeerProcess::Spawned { pid }
+            | PeerProcess::Local { pid, .. }
+            | PeerProcess::Gone { pid } => Some(*pid),
+            PeerProcess::Remote => None,
+        }
+    }
+
+    /// Opens a pidfd for a local peer named by `SO_PEERCRED`.
+    fn open(pid: u32) -> PeerProcess {
+        let opened = os::pidfd_open(pid).and_then(|fd| {
+            let pgid = os::pgid_of(pid)?;
+            // The group read above is this process's only if it still lives.
+            if os::exited(&fd)? {
+                return Err(std::io::Error::from(std::io::ErrorKind::NotFound));
+            }
+            Ok((fd, pgid))
+        });
+        match opened {
+            Ok((pidfd, pgid)) => PeerProcess::Local { pid, pgid, pidfd },
+            Err(e) => {
+                tracing::debug!(pid, error = %e, "cannot hold the peer's process");
+                PeerProcess::Gone { pid }
+            }
+        }
+    }
 }
 
 /// The acceptor thread; stops (and closes the listener) when dropped.
@@ -249,6 +323,7 @@ fn accept_loop(
                             Ok(hello) => report(Connected {
                                 rank: hello.who.rank,
                                 channel: hello.who.channel,
+                                peer: policy.peer(hello.who.rank, peer_pid),
                                 conn,
                                 hello,
                             }),

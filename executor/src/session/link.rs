@@ -114,6 +114,11 @@ impl RankLink {
         self.conns.iter().all(Option::is_some)
     }
 
+    /// Whether `channel` is connected.
+    pub(crate) fn has(&self, channel: Channel) -> bool {
+        self.conns[channel.index()].is_some()
+    }
+
     /// How many channels are connected.
     pub(crate) fn connected(&self) -> usize {
         self.conns.iter().filter(|c| c.is_some()).count()

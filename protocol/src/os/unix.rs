@@ -11,6 +11,8 @@
 //!   are sent. A receiver maps a file only after checking that the write and shrink
 //!   seals are set: a peer that could still shrink the file could make every reader
 //!   fault with `SIGBUS`.
+//! - The launch secret reaches a rank we spawn through an inherited pipe: the rank
+//!   takes the descriptor once, checks it is a pipe, reads to end of file and closes it.
 
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Write};
@@ -219,6 +221,47 @@ pub(crate) fn map_sealed(fd: OwnedFd, len: u64) -> Result<(Bytes, Arc<OwnedFd>),
             .map_err(ShmError::Io)?
     };
     Ok((Bytes::from_owner(map), fd))
+}
+
+/// Whether the inherited secret descriptor was taken already.
+static SECRET_FD_TAKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Reads at most `limit` bytes from the pipe inherited at descriptor `fd`, then closes
+/// it. Takes the descriptor at most once per process; refuses one that is not open or
+/// not a pipe (and leaves it alone).
+pub(crate) fn take_inherited_pipe(fd: i32, limit: usize) -> io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    if fd < 3 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("descriptor {fd} is a standard stream"),
+        ));
+    }
+    // SAFETY: only borrowed for the two checks below, while this call runs; `fstat` on
+    // a closed number fails with EBADF and touches nothing.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    let stat = rustix::fs::fstat(borrowed)?;
+    if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::Fifo {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("descriptor {fd} is not a pipe"),
+        ));
+    }
+    if SECRET_FD_TAKEN.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "the inherited descriptor was taken already",
+        ));
+    }
+    // SAFETY: the executor passes this number for this one purpose: the read end of a
+    // pipe made for this process alone (checked to be an open pipe above), which no
+    // other code of the process knows of. The guard above makes this the only owner,
+    // so closing it on drop closes nobody else's descriptor. Exercised by the
+    // `secret_pipe` integration test.
+    let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut out = Vec::new();
+    File::from(owned).take(limit as u64).read_to_end(&mut out)?;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -5,16 +5,22 @@
 //! group, send tasks with large blobs, abort them, fire events and stop the group, and
 //! check what the OS and the executor say. Commands (`op`):
 //!
-//! - `start {config}`: launch the group; answers `ms` and the group's `pids`;
+//! - `start {config, engine}`: launch the group; answers `ms` and the group's `pids`;
+//!   with `engine: true` the host has an engine that records the ranks' events
+//!   (`events` lists them as `[event, rank]`);
 //! - `task {task, meta, blobs: {name: {len, byte}}, abort_after_ms}`: run a task whose
 //!   blobs are built in shared memory (their `inode`s are returned as `input_inodes`);
 //!   answers the output's `meta` and, per blob, `len`, `shared`, `inode`, `first`,
 //!   `last`, or the error's `class`, `rank`, `error` and `report`;
 //! - `event {event}`: fire an event to every rank;
-//! - `pids`: the group's live pids; `rss`: this process's resident memory;
+//! - `pids`: the group's live pids;
 //! - `rtt {task, n}`: `n` empty tasks back to back; answers each one's microseconds;
-//! - `fanout {len, n}`: `n` tasks carrying one shared blob of `len` bytes, and `n`
-//!   plain memcpys of the same size in this process, for comparison;
+//! - `fanout {task, len, n}`: `n` tasks (after one warm-up) each carrying a blob of
+//!   `len` bytes built in shared memory; rank 0 must answer the sum of its
+//!   little-endian u64 words as `meta.sum` (a decimal string). Each is followed by a
+//!   memcpy of the same size in this process (into fresh and into touched memory),
+//!   unless `yardstick: false`; the warm-up task counts only then;
+//! - `rss`: this process's `VmRSS` and `VmHWM`; `reset_peak`: resets `VmHWM`;
 //! - `stop`: finalize the group.
 //!
 //! Errors never end the driver; they are answers (`ok: false`). End of stdin stops it.
@@ -26,7 +32,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use rankexec_executor::{ExecuteError, ExecutorConfig, MultiProcessExecutor};
-use rankexec_protocol::{Blob, EventType, FlContext, Shareable, Signal, Value, error_chain};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rankexec_protocol::{
+    Blob, Engine, EventType, FireEventError, FlContext, Shareable, Signal, Value, error_chain, keys,
+};
 use serde_json::{Value as Json, json};
 
 fn inode(blob: &Blob) -> Option<u64> {
@@ -93,10 +104,21 @@ fn output_json(out: &Shareable) -> Json {
     json!({"meta": meta, "blobs": blobs})
 }
 
-fn rss_kib() -> Option<u64> {
+/// Touches `bytes` of fresh memory once and frees it, so that a timed step that
+/// allocates gets recently backed pages (see `rankexec bench`'s method on VMs with
+/// free-page reporting); the yardstick and the fan-out get the same treatment.
+fn warm_memory(bytes: usize) {
+    if bytes >= 128 << 20 {
+        let mut v: Vec<u8> = Vec::with_capacity(bytes);
+        v.resize(bytes, 1);
+        std::hint::black_box(&v);
+    }
+}
+
+fn status_kib(field: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     s.lines()
-        .find(|l| l.starts_with("VmRSS:"))?
+        .find(|l| l.starts_with(field))?
         .split_whitespace()
         .nth(1)?
         .parse()
@@ -110,6 +132,34 @@ fn exec_of(e: &Option<MultiProcessExecutor>) -> anyhow::Result<&MultiProcessExec
 struct Driver {
     exec: Option<MultiProcessExecutor>,
     ctx: FlContext,
+    events: Arc<Recorder>,
+}
+
+/// A host engine that records the events ranks fire: `(event, rank)`.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<(String, i64)>>);
+
+impl Engine for Recorder {
+    fn fire_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), FireEventError> {
+        let rank = ctx
+            .get_prop(keys::FROM_RANK_NUMBER)
+            .and_then(Value::as_i64)
+            .unwrap_or(-1);
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((event.as_str().to_owned(), rank));
+        Ok(())
+    }
+    fn identity(&self) -> &str {
+        "pydriver"
+    }
+    fn job_id(&self) -> &str {
+        "pydriver"
+    }
+    fn workspace(&self) -> &Path {
+        Path::new(".")
+    }
 }
 
 impl Driver {
@@ -119,6 +169,11 @@ impl Driver {
                 let cfg: ExecutorConfig = serde_json::from_value(cmd["config"].clone())
                     .context("invalid executor config")?;
                 let exec = MultiProcessExecutor::new(cfg)?;
+                self.ctx = if cmd["engine"].as_bool().unwrap_or(false) {
+                    FlContext::with_engine(self.events.clone())
+                } else {
+                    FlContext::new()
+                };
                 let t = Instant::now();
                 let r = exec.start(&self.ctx);
                 let ms = t.elapsed().as_secs_f64() * 1e3;
@@ -167,8 +222,13 @@ impl Driver {
                     },
                 )
             }
+            "events" => {
+                let ev = self.events.0.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(json!({"ok": true, "events": *ev}))
+            }
             "pids" => Ok(json!({"ok": true, "pids": exec_of(&self.exec)?.live_pids()})),
-            "rss" => Ok(json!({"ok": true, "rss_kib": rss_kib()})),
+            "rss" => Ok(json!({"ok": true, "rss_kib": status_kib("VmRSS:"),
+                               "peak_kib": status_kib("VmHWM:")})),
             "rtt" => {
                 let n = cmd["n"].as_u64().unwrap_or(100);
                 let task = cmd["task"].as_str().unwrap_or("task").to_owned();
@@ -190,24 +250,66 @@ impl Driver {
                 let n = cmd["n"].as_u64().unwrap_or(3);
                 let task = cmd["task"].as_str().unwrap_or("task").to_owned();
                 let exec = exec_of(&self.exec)?;
-                let (mut task_ms, mut copy_ms) = (Vec::new(), Vec::new());
-                let src = vec![1u8; len];
-                let mut dst = vec![0u8; len];
-                dst.fill(2); // touch the pages before timing
-                for i in 0..n {
-                    let blob = shared_blob(len, i as u8)?;
+                let (mut task_ms, mut fresh_ms, mut warm_ms) = (Vec::new(), Vec::new(), Vec::new());
+                // Without the yardstick, nothing but the blob is allocated here (for the
+                // parent's memory figure).
+                let yardstick = cmd["yardstick"].as_bool().unwrap_or(true);
+                let (src, mut dst) = if yardstick {
+                    (vec![1u8; len], vec![2u8; len])
+                } else {
+                    (Vec::new(), Vec::new())
+                };
+                for i in 0..=n {
+                    let byte = (i % 251) as u8 + 1;
+                    let blob = shared_blob(len, byte)?;
+                    let want = (len as u64 / 8).wrapping_mul(u64::from_le_bytes([byte; 8]));
                     let input = Shareable::new().with_blob("x", blob);
-                    let t = Instant::now();
-                    if let Err(e) = exec.run_task(&task, input, &mut self.ctx, &Signal::new()) {
-                        return Ok(error_json(&e));
+                    if yardstick {
+                        warm_memory(2 * len);
                     }
-                    task_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                    let t = Instant::now();
+                    let out = match exec.run_task(&task, input, &mut self.ctx, &Signal::new()) {
+                        Ok(out) => out,
+                        Err(e) => return Ok(error_json(&e)),
+                    };
+                    let dt = t.elapsed().as_secs_f64() * 1e3;
+                    let sum = out.meta("sum").and_then(Value::as_str).unwrap_or_default();
+                    anyhow::ensure!(
+                        sum == want.to_string(),
+                        "rank 0 read {sum}, expected {want}"
+                    );
+                    if !yardstick {
+                        task_ms.push(dt);
+                        continue;
+                    }
+                    // The first task warms the ranks' code paths; it is not counted.
+                    if i == 0 {
+                        continue;
+                    }
+                    task_ms.push(dt);
+                    // The yardstick: one memcpy into fresh memory (as any copy pays), and
+                    // into memory already touched.
+                    warm_memory(2 * len);
+                    let t = Instant::now();
+                    let mut v: Vec<u8> = Vec::with_capacity(len);
+                    v.extend_from_slice(&src);
+                    fresh_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                    std::hint::black_box(&v);
+                    drop(v);
                     let t = Instant::now();
                     dst.copy_from_slice(&src);
+                    warm_ms.push(t.elapsed().as_secs_f64() * 1e3);
                     std::hint::black_box(&dst);
-                    copy_ms.push(t.elapsed().as_secs_f64() * 1e3);
                 }
-                Ok(json!({"ok": true, "task_ms": task_ms, "memcpy_ms": copy_ms}))
+                Ok(
+                    json!({"ok": true, "task_ms": task_ms, "memcpy_ms": fresh_ms,
+                          "memcpy_warm_ms": warm_ms}),
+                )
+            }
+            "reset_peak" => {
+                // Resets VmHWM to the current RSS (proc(5), clear_refs).
+                std::fs::write("/proc/self/clear_refs", "5")?;
+                Ok(json!({"ok": true}))
             }
             "stop" => {
                 let t = Instant::now();
@@ -231,6 +333,7 @@ fn main() -> anyhow::Result<()> {
     let mut driver = Driver {
         exec: None,
         ctx: FlContext::new(),
+        events: Arc::default(),
     };
     let stdout = std::io::stdout();
     for line in std::io::stdin().lock().lines() {

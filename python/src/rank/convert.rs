@@ -93,7 +93,7 @@ pub(crate) fn from_py(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Value> {
         return Ok(Value::Float(f));
     }
     Err(PyTypeError::new_err(format!(
-        "{what}: cannot send a {} (use None, bool, int, float, str, bytes, list or dict; \
+        "{what}: cannot send a value of type `{}` (use None, bool, int, float, str, bytes, list or dict; \
          large data belongs in a blob)",
         obj.get_type().name()?
     )))

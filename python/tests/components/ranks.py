@@ -39,6 +39,15 @@ class Probe:
         if task == "look":
             blob = input.blobs["x"]
             arr = np.frombuffer(blob, dtype=np.uint8)
+            torch_ptr = None
+            if input.meta.get("torch"):
+                import warnings
+
+                import torch
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only buffer
+                    torch_ptr = torch.frombuffer(blob, dtype=torch.uint8).data_ptr()
             _note(
                 self.out_dir,
                 "look",
@@ -48,6 +57,7 @@ class Probe:
                     "shared": blob.shared,
                     "nbytes": blob.nbytes,
                     "same_pointer": arr.ctypes.data == blob.address,
+                    "torch_same_pointer": torch_ptr == blob.address,
                     "writeable": bool(arr.flags.writeable),
                     "first": int(arr[0]),
                     "last": int(arr[-1]),
@@ -87,6 +97,18 @@ class Probe:
         if task == "sleep":
             _note(self.out_dir, "sleeping", rank, {"pid": os.getpid()})
             abort.wait(60)
+            return rankexec.Shareable()
+        if task == "hold_gil":
+            import ctypes
+
+            # PyDLL calls keep the GIL: libc's usleep blocks with the GIL held, as a long
+            # C extension call (or a busy trainer) would.
+            ctypes.PyDLL(None).usleep(int(input.meta["seconds"] * 1e6))
+            return rankexec.Shareable(meta={"held": input.meta["seconds"]})
+        if task == "ignore_abort":
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # deliberately deaf to the abort signal
+                time.sleep(0.05)
             return rankexec.Shareable()
         if task == "pid":
             _note(self.out_dir, "pid", rank, {"pid": os.getpid(), "sid": os.getsid(0)})

@@ -5,6 +5,8 @@
 //!   when the *thread* that forked us exits, which is why the executor spawns ranks from
 //!   one long-lived thread. The parent may already have died before the `prctl` call, so
 //!   the rank compares `getppid()` with the pid it was given right after.
+//! - `mapped_inode`: the inode of the file mapped at an address (`/proc/self/maps`),
+//!   so the `Digest` component can prove a blob is the parent's memory file itself.
 //! - `ignore_sigterm`: used only by the built-in `Sleep` component to play a rank that
 //!   refuses to stop, so tests can prove the executor escalates to `SIGKILL`.
 
@@ -53,4 +55,23 @@ pub(crate) fn kill_self(signal: &str) -> std::io::Result<()> {
         .parse()
         .map_err(|_| std::io::Error::other(format!("unknown signal {signal}")))?;
     nix::sys::signal::kill(getpid(), sig).map_err(std::io::Error::from)
+}
+
+/// The inode of the file mapped at `addr` in this process, from `/proc/self/maps`
+/// (`None` for anonymous memory or when the table cannot be read).
+pub(crate) fn mapped_inode(addr: usize) -> Option<u64> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let mut f = line.split_whitespace();
+        let (lo, hi) = f.next()?.split_once('-')?;
+        let (lo, hi) = (
+            usize::from_str_radix(lo, 16).ok()?,
+            usize::from_str_radix(hi, 16).ok()?,
+        );
+        if !(lo..hi).contains(&addr) {
+            return None;
+        }
+        let inode: u64 = f.nth(3)?.parse().ok()?;
+        (inode != 0).then_some(inode)
+    })
 }
