@@ -36,7 +36,8 @@ use rankexec_protocol::wire::{
 use rankexec_protocol::{Engine, ErrorClass, EventType, Shareable, Signal, Subscription};
 use tracing::{debug, info, info_span, warn};
 
-use crate::admission::{Admission, Admit, Grant};
+use crate::admission::ledger::Reservation;
+use crate::admission::{Admission, AdmissionError, Admit, Grant, Refusal};
 use crate::config::{EventRanks, ExecutorConfig, LauncherConfig, ResultPolicy, TransportConfig};
 use crate::error::{
     EventError, ExecuteError, FailureCause, FinalizeReport, RankFailure, RemoteError, StartError,
@@ -46,6 +47,7 @@ use crate::group::output::{OutputPump, Source, Tails};
 use crate::group::process::{ProcInfo, ProcessTable, Role};
 use crate::group::rundir::RunDir;
 use crate::group::watch::{ExitWatcher, Exited};
+use crate::offload::{DropThere, Offload};
 use crate::os::{self, TermSignal};
 use crate::result::reduce;
 use crate::session::accept::{AcceptPolicy, Acceptor, Connected};
@@ -131,8 +133,26 @@ impl Status {
 pub(crate) enum Report {
     Connected(Box<Connected>),
     Exited(Exited),
-    Link { rank: u32, ev: LinkEvent },
-    AbortTask { task_id: u64, reason: String },
+    Link {
+        rank: u32,
+        ev: LinkEvent,
+    },
+    AbortTask {
+        task_id: u64,
+        reason: String,
+    },
+    /// The outcome of admission attempt `attempt` (run on the admission thread).
+    Admitted {
+        attempt: u64,
+        outcome: Result<Admit, AdmissionError>,
+    },
+    /// Every output pipe of a rank (or the launcher) has closed.
+    OutputClosed(Source),
+    /// A task's frames, packed on the work thread.
+    Packed {
+        task_id: u64,
+        frames: Result<Frames, ExecuteError>,
+    },
 }
 
 /// Sends reports to the dispatcher.
@@ -214,6 +234,10 @@ struct Group {
     last_seen: Vec<Arc<AtomicU64>>,
     external: bool,
     closed_pending: BTreeMap<u32, (Channel, Instant)>,
+    /// Processes that exited while their stderr was still open: their failure is
+    /// reported when it closes (so the report has their last lines) or at the deadline
+    /// (a child they left holds it), in the order they exited. Nothing waits on it.
+    exits_pending: Vec<PendingExit>,
     /// Ranks known not to answer (silent past the heartbeat deadline): a `Close` grace
     /// is not spent on them.
     unanswering: std::collections::BTreeSet<u32>,
@@ -221,9 +245,20 @@ struct Group {
     /// OOM-kill counters of each process's memory cgroup when it started.
     oom_baselines: BTreeMap<u32, os::OomCounter>,
     grant: Grant,
+    /// The ledger entry, updated and finally released on the admission thread.
+    reservation: Option<DropThere<Arc<Reservation>>>,
     log_dir: PathBuf,
     endpoint: String,
     pgid: u32,
+}
+
+/// An exit whose report waits for the process's stderr to close.
+struct PendingExit {
+    source: Source,
+    /// The failure for a rank; `None` for a launcher during start-up.
+    cause: Option<FailureCause>,
+    status: crate::os::ExitStatus,
+    deadline: Instant,
 }
 
 struct TaskOp {
@@ -234,11 +269,60 @@ struct TaskOp {
     aborting: Option<(String, Instant, bool)>,
     _sub: Subscription,
     span: tracing::Span,
-    /// The frames sent to the ranks, kept (with their memory files) until the task ends:
-    /// while the parent holds a blob's memory file, a rank unmapping it never frees its
-    /// pages, so that cost is not on the ranks' way to replying. Released off the
-    /// dispatcher thread when the task ends.
-    _sent: crate::reclaim::Deferred<[Option<Arc<OutFrame>>; 2]>,
+    /// The frames sent to the ranks (`None` while they are being packed), kept (with
+    /// their memory files) until the task ends: while the parent holds a blob's memory
+    /// file, a rank unmapping it never frees its pages, so that cost is not on the
+    /// ranks' way to replying. Released off the dispatcher thread when the task ends.
+    sent: Option<crate::reclaim::Deferred<Frames>>,
+}
+
+/// A task's `Execute` frames, by carrier: `[memory files, inline]`.
+type Frames = [Option<Arc<OutFrame>>; 2];
+
+/// What packing a task's frames needs, moved to the work thread.
+struct PackSpec {
+    task_id: u64,
+    task: String,
+    props: Props,
+    input: Shareable,
+    want_output: bool,
+    /// Which carriers the ranks need: `[memory files, inline]`.
+    needed: [bool; 2],
+    zero_copy_threshold: u64,
+}
+
+impl PackSpec {
+    fn pack(&self) -> Result<Frames, ExecuteError> {
+        let mut frames: Frames = [None, None];
+        for (slot, frame) in frames.iter_mut().enumerate() {
+            if !self.needed[slot] {
+                continue;
+            }
+            let policy = if slot == 0 {
+                BlobPolicy {
+                    zero_copy_threshold: self.zero_copy_threshold,
+                    pass_fds: true,
+                }
+            } else {
+                BlobPolicy::INLINE
+            };
+            let (mut body, mut fds) = (Vec::new(), Vec::new());
+            let input = envelope::pack(&self.input, policy, &mut body, &mut fds)
+                .map_err(|e| ExecuteError::Input(Arc::new(e)))?;
+            let msg = Message::Execute(Box::new(Execute {
+                task_id: self.task_id,
+                task: self.task.clone(),
+                props: self.props.clone(),
+                input,
+                want_output: self.want_output,
+            }));
+            let f = envelope::frame(&msg, body, fds).map_err(|e| {
+                ExecuteError::Input(Arc::new(rankexec_protocol::wire::PackError::Codec(e)))
+            })?;
+            *frame = Some(Arc::new(f));
+        }
+        Ok(frames)
+    }
 }
 
 struct EventOp {
@@ -250,6 +334,10 @@ struct EventOp {
 struct PendingLaunch {
     not_before: Instant,
     admission_deadline: Option<Instant>,
+    /// An attempt is running on the admission thread.
+    in_flight: bool,
+    /// The id of the latest attempt (a late answer to an abandoned one is not this).
+    attempt: u64,
     waiters: Vec<Waiter>,
 }
 
@@ -269,7 +357,14 @@ pub(crate) struct Dispatcher {
     task: Option<TaskOp>,
     events: BTreeMap<u64, EventOp>,
     pending: Option<PendingLaunch>,
-    admission: Admission,
+    /// Used only on `admit`'s thread: admission may wait on a ledger lock, sample the
+    /// CPU or load NVML, none of which the dispatcher may wait for.
+    admission: Arc<std::sync::Mutex<Admission>>,
+    admit: Offload,
+    /// Admission attempts so far (ids for their answers).
+    admission_attempts: u64,
+    /// Packing inputs into memory files and reducing gathered results.
+    work: Offload,
     consecutive_failures: u32,
     restarts: u32,
     last_failure: Option<ExecuteError>,
@@ -301,9 +396,11 @@ impl Dispatcher {
         program: PathBuf,
         cmd_rx: Receiver<Command>,
         admission: Admission,
-    ) -> Self {
+    ) -> std::io::Result<Self> {
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
-        Dispatcher {
+        let admit = Offload::start(format!("rx-admit-{}", cfg.executor_id))?;
+        let work = Offload::start(format!("rx-work-{}", cfg.executor_id))?;
+        Ok(Dispatcher {
             base_log_dir: cfg.log_dir.clone(),
             cfg,
             program,
@@ -318,7 +415,10 @@ impl Dispatcher {
             task: None,
             events: BTreeMap::new(),
             pending: None,
-            admission,
+            admission: Arc::new(std::sync::Mutex::new(admission)),
+            admit,
+            admission_attempts: 0,
+            work,
             consecutive_failures: 0,
             restarts: 0,
             last_failure: None,
@@ -329,7 +429,7 @@ impl Dispatcher {
             finalized: false,
             next_task_id: 1,
             next_event_id: 1,
-        }
+        })
     }
 
     /// Runs until the executor handle is dropped; then finalizes.
@@ -377,7 +477,9 @@ impl Dispatcher {
     fn next_deadline(&self) -> Option<Instant> {
         let mut ds: Vec<Instant> = Vec::new();
         if let Some(p) = &self.pending {
-            ds.push(p.not_before);
+            if !p.in_flight {
+                ds.push(p.not_before);
+            }
             ds.extend(p.admission_deadline);
         }
         if let Some(g) = &self.group {
@@ -395,6 +497,7 @@ impl Dispatcher {
                 }
             }
             ds.extend(g.closed_pending.values().map(|(_, d)| *d));
+            ds.extend(g.exits_pending.first().map(|e| e.deadline));
         }
         if let Some(t) = &self.task {
             ds.push(t.deadline);
@@ -439,6 +542,10 @@ impl Dispatcher {
                 }
             }
             _ => {}
+        }
+        if g.exits_pending.first().is_some_and(|e| now >= e.deadline) {
+            self.report_exits(now);
+            return;
         }
         let expired: Vec<(u32, Channel)> = g
             .closed_pending
@@ -679,6 +786,8 @@ impl Dispatcher {
         self.pending = Some(PendingLaunch {
             not_before,
             admission_deadline: None,
+            in_flight: false,
+            attempt: 0,
             waiters: vec![waiter],
         });
         self.check_pending_launch(Instant::now());
@@ -696,14 +805,69 @@ impl Dispatcher {
             return;
         }
         let Some(p) = &mut self.pending else { return };
-        if now < p.not_before {
+        if !p.in_flight && now < p.not_before {
             return;
         }
-        let outcome = self.admission.try_admit(self.growth);
-        let p = match &mut self.pending {
-            Some(p) => p,
-            None => return,
+        // The admission deadline runs from the first attempt (after any back-off).
+        let deadline = *p
+            .admission_deadline
+            .get_or_insert(now + self.cfg.deadlines.admission.0);
+        if p.in_flight {
+            if now >= deadline {
+                // The attempt is stuck (a ledger lock held by a stopped process): give up;
+                // its outcome, if it ever comes, is released on the admission thread.
+                let err = StartError::Admission(
+                    Refusal {
+                        message: "the admission check did not finish (is the reservation ledger locked by a stopped process?)".to_owned(),
+                    }
+                    .into_error(self.cfg.deadlines.admission.0),
+                );
+                self.fail_pending(&err);
+            }
+            return;
+        }
+        p.in_flight = true;
+        self.admission_attempts += 1;
+        p.attempt = self.admission_attempts;
+        let attempt = p.attempt;
+        let (admission, growth, tx) = (self.admission.clone(), self.growth, self.ev_tx.clone());
+        self.admit.run(move || {
+            let outcome = admission
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .try_admit(growth);
+            // Tagged with no group: the outcome belongs to the pending launch.
+            let _ = tx.send((0, Report::Admitted { attempt, outcome }));
+        });
+    }
+
+    fn fail_pending(&mut self, err: &StartError) {
+        if let Some(p) = self.pending.take() {
+            for w in p.waiters {
+                w.fail(err);
+            }
+        }
+    }
+
+    /// Releases a reservation on the admission thread (the ledger update takes its lock).
+    fn release(&self, reservation: Option<Reservation>) {
+        drop(reservation.map(|r| DropThere::new(r, &self.admit)));
+    }
+
+    fn on_admitted(&mut self, attempt: u64, outcome: Result<Admit, AdmissionError>) {
+        let now = Instant::now();
+        let Some(p) = self
+            .pending
+            .as_mut()
+            .filter(|p| p.in_flight && p.attempt == attempt)
+        else {
+            // Nobody waits any more (finalized, or the attempt timed out).
+            if let Ok(Admit::Granted(grant)) = outcome {
+                self.release(grant.reservation);
+            }
+            return;
         };
+        p.in_flight = false;
         match outcome {
             Ok(Admit::Granted(grant)) => {
                 let waiters = std::mem::take(&mut p.waiters);
@@ -717,24 +881,13 @@ impl Dispatcher {
                 if now >= deadline {
                     let err =
                         StartError::Admission(refusal.into_error(self.cfg.deadlines.admission.0));
-                    let waiters = std::mem::take(&mut p.waiters);
-                    self.pending = None;
-                    for w in waiters {
-                        w.fail(&err);
-                    }
+                    self.fail_pending(&err);
                 } else {
                     debug!("waiting for resources: {}", refusal.message);
                     p.not_before = (now + ADMISSION_RETRY).min(deadline);
                 }
             }
-            Err(e) => {
-                let err = StartError::Admission(e);
-                let waiters = std::mem::take(&mut p.waiters);
-                self.pending = None;
-                for w in waiters {
-                    w.fail(&err);
-                }
-            }
+            Err(e) => self.fail_pending(&StartError::Admission(e)),
         }
     }
 
@@ -752,7 +905,12 @@ impl Dispatcher {
         ))
     }
 
-    fn launch_group(&mut self, grant: Grant, waiters: Vec<Waiter>) {
+    fn launch_group(&mut self, mut grant: Grant, waiters: Vec<Waiter>) {
+        // Released on the admission thread however this ends.
+        let reservation = grant
+            .reservation
+            .take()
+            .map(|r| DropThere::new(Arc::new(r), &self.admit));
         self.generation += 1;
         let generation = self.generation;
         let world = self.cfg.num_of_processes;
@@ -949,9 +1107,11 @@ impl Dispatcher {
             external: !builtin,
             closed_pending: BTreeMap::new(),
             unanswering: Default::default(),
+            exits_pending: Vec::new(),
             failures: Vec::new(),
             oom_baselines: BTreeMap::new(),
             grant,
+            reservation,
             log_dir: log_dir.clone(),
             endpoint: endpoint.to_string(),
             pgid: 0,
@@ -978,15 +1138,20 @@ impl Dispatcher {
                 group.oom_baselines.insert(p.pid, c);
             }
         }
-        if let Some(r) = &group.grant.reservation {
+        if let Some(r) = group.reservation.as_ref().and_then(DropThere::get) {
             let pids: Vec<u32> = table.snapshot().iter().map(|p| p.pid).collect();
-            r.set_rank_pids(&pids);
+            let r = r.clone();
+            self.admit.run(move || r.set_rank_pids(&pids));
         }
         if let Some(p) = &group.grant.placement {
             info!(placement = %p.describe(), "placement");
         }
         match OutputPump::start(launched.pipes, &log_dir, self.cfg.executor_id.clone()) {
             Ok(p) => {
+                let tx = self.ev_tx.clone();
+                p.tails().notify_closed(move |src| {
+                    let _ = tx.send((generation, Report::OutputClosed(src)));
+                });
                 group.tails = p.tails();
                 group.output = Some(p);
             }
@@ -1013,10 +1178,11 @@ impl Dispatcher {
     // ---- reports -----------------------------------------------------------------
 
     fn on_report(&mut self, generation: u64, report: Report) {
-        if let Report::AbortTask { task_id, reason } = report {
-            self.abort_task(task_id, reason);
-            return;
-        }
+        let report = match report {
+            Report::AbortTask { task_id, reason } => return self.abort_task(task_id, reason),
+            Report::Admitted { attempt, outcome } => return self.on_admitted(attempt, outcome),
+            other => other,
+        };
         let current = self.group.as_ref().map(|g| g.generation);
         if current != Some(generation) {
             if let Report::Connected(c) = report {
@@ -1028,7 +1194,9 @@ impl Dispatcher {
             Report::Connected(c) => self.on_connected(*c),
             Report::Exited(e) => self.on_exited(e),
             Report::Link { rank, ev } => self.on_link(rank, ev),
-            Report::AbortTask { .. } => {}
+            Report::OutputClosed(src) => self.on_output_closed(src),
+            Report::Packed { task_id, frames } => self.on_packed(task_id, frames),
+            Report::AbortTask { .. } | Report::Admitted { .. } => {}
         }
     }
 
@@ -1133,20 +1301,10 @@ impl Dispatcher {
                 .find(|p| matches!(p.role, Role::Rank(r) | Role::ExternalRank(r) if r == rank))
                 .map(|p| p.pid)
         });
-        // A process that ended closes its stderr at once; wait briefly for the last
-        // lines. A rank that is still alive (it reported an error, stopped answering or
-        // broke the protocol) keeps its stderr open: take what is there without waiting,
-        // so the dispatcher never stalls on a live rank.
-        let wait = match cause {
-            FailureCause::Exited(_)
-            | FailureCause::OomKilled
-            | FailureCause::ConnectionClosed(_) => TAIL_WAIT,
-            FailureCause::Reported(_)
-            | FailureCause::Unresponsive(_)
-            | FailureCause::Protocol { .. } => Duration::ZERO,
-        };
+        // Never waits: an exit is reported once its stderr closed or `TAIL_WAIT` passed
+        // (see `Group::exits_pending`); a live rank's stderr stays open.
         let stderr_tail = g
-            .map(|g| g.tails.tail(Source::Rank(rank), wait))
+            .map(|g| g.tails.tail(Source::Rank(rank), Duration::ZERO))
             .unwrap_or_default();
         let error_file =
             g.and_then(|g| error_json_message(&g.log_dir.join(format!("rank-{rank}/error.json"))));
@@ -1180,19 +1338,28 @@ impl Dispatcher {
                 } else {
                     FailureCause::Exited(e.status)
                 };
-                let f = self.failure(rank, cause);
                 if let Some(g) = &mut self.group {
                     g.closed_pending.remove(&rank);
+                    g.exits_pending.push(PendingExit {
+                        source: Source::Rank(rank),
+                        cause: Some(cause),
+                        status: e.status,
+                        deadline: Instant::now() + TAIL_WAIT,
+                    });
                 }
-                self.fail_group(f);
+                self.report_exits(Instant::now());
             }
             Role::Launcher => {
                 if let Phase::Starting { .. } = g.phase {
-                    let tail = g.tails.tail(Source::Launcher, TAIL_WAIT);
-                    self.fail_start(StartError::LauncherExited {
-                        status: e.status,
-                        tail,
-                    });
+                    if let Some(g) = &mut self.group {
+                        g.exits_pending.push(PendingExit {
+                            source: Source::Launcher,
+                            cause: None,
+                            status: e.status,
+                            deadline: Instant::now() + TAIL_WAIT,
+                        });
+                    }
+                    self.report_exits(Instant::now());
                 } else {
                     // The ranks go with their launcher; give their connections a moment
                     // to close so the failure names a rank.
@@ -1204,6 +1371,40 @@ impl Dispatcher {
                     }
                     warn!("the launcher exited with {}", e.status);
                 }
+            }
+        }
+    }
+
+    fn on_output_closed(&mut self, _src: Source) {
+        self.report_exits(Instant::now());
+    }
+
+    /// Reports the earliest pending exit once its stderr has closed or its deadline
+    /// passed (the failure that stops the group is the first exit, not the first with
+    /// a closed stderr).
+    fn report_exits(&mut self, now: Instant) {
+        if self.stopping() {
+            return;
+        }
+        let Some(g) = &mut self.group else { return };
+        let Some(first) = g.exits_pending.first() else {
+            return;
+        };
+        if g.tails.is_open(first.source) && now < first.deadline {
+            return;
+        }
+        let first = g.exits_pending.remove(0);
+        match (first.source, first.cause) {
+            (Source::Rank(rank), Some(cause)) => {
+                let f = self.failure(rank, cause);
+                self.fail_group(f);
+            }
+            _ => {
+                let tail = g.tails.tail(Source::Launcher, Duration::ZERO);
+                self.fail_start(StartError::LauncherExited {
+                    status: first.status,
+                    tail,
+                });
             }
         }
     }
@@ -1303,6 +1504,8 @@ impl Dispatcher {
                 d.pending = Some(PendingLaunch {
                     not_before: Instant::now(),
                     admission_deadline: None,
+                    in_flight: false,
+                    attempt: 0,
                     waiters,
                 });
             })],
@@ -1316,53 +1519,35 @@ impl Dispatcher {
         let id = self.next_task_id;
         self.next_task_id += 1;
         let span = info_span!("task", task = %c.task, task_id = id);
-        let gather = self.cfg.result.gathers(&c.task);
-        // One frame per carrier kind, encoded once and written to every rank.
-        let mut frames: [Option<Arc<OutFrame>>; 2] = [None, None];
         let world = self.cfg.num_of_processes;
-        for rank in 0..world {
-            let link = &g.links[rank as usize];
-            let slot = usize::from(!link.passes_fds());
-            if frames[slot].is_none() {
-                let policy = if slot == 0 {
-                    BlobPolicy {
-                        zero_copy_threshold: self.cfg.zero_copy_threshold.bytes(),
-                        pass_fds: true,
-                    }
-                } else {
-                    BlobPolicy::INLINE
-                };
-                let (mut body, mut fds) = (Vec::new(), Vec::new());
-                let input = match envelope::pack(&c.input, policy, &mut body, &mut fds) {
-                    Ok(w) => w,
-                    Err(e) => {
-                        let _ = c.reply.send(Err(ExecuteError::Input(Arc::new(e))));
-                        return;
-                    }
-                };
-                let msg = Message::Execute(Box::new(Execute {
-                    task_id: id,
-                    task: c.task.clone(),
-                    props: c.props.clone(),
-                    input,
-                    want_output: gather,
-                }));
-                match envelope::frame(&msg, body, fds) {
-                    Ok(f) => frames[slot] = Some(Arc::new(f)),
-                    Err(e) => {
-                        let _ = c.reply.send(Err(ExecuteError::Input(Arc::new(
-                            rankexec_protocol::wire::PackError::Codec(e),
-                        ))));
-                        return;
-                    }
-                }
-            }
-            if let Some(f) = &frames[slot] {
-                link.send(Channel::Exec, f.clone());
-            }
+        // One frame per carrier kind, encoded once (off this thread: it copies large
+        // blobs into memory files) and written to every rank when it comes back.
+        let mut needed = [false; 2];
+        for link in &g.links {
+            needed[usize::from(!link.passes_fds())] = true;
         }
-        let tx = self.ev_tx.clone();
+        let spec = PackSpec {
+            task_id: id,
+            task: c.task.clone(),
+            props: c.props.clone(),
+            input: c.input.clone(),
+            want_output: self.cfg.result.gathers(&c.task),
+            needed,
+            zero_copy_threshold: self.cfg.zero_copy_threshold.bytes(),
+        };
         let generation = g.generation;
+        let tx = self.ev_tx.clone();
+        self.work.run(move || {
+            let frames = spec.pack();
+            let _ = tx.send((
+                generation,
+                Report::Packed {
+                    task_id: spec.task_id,
+                    frames,
+                },
+            ));
+        });
+        let tx = self.ev_tx.clone();
         let sub = c.abort.on_trigger({
             let abort = c.abort.clone();
             move || {
@@ -1376,7 +1561,7 @@ impl Dispatcher {
                 ));
             }
         });
-        span.in_scope(|| debug!(ranks = world, "task sent"));
+        span.in_scope(|| debug!(ranks = world, "task packing"));
         self.task = Some(TaskOp {
             id,
             deadline: Instant::now() + self.cfg.deadlines.task.0,
@@ -1385,8 +1570,39 @@ impl Dispatcher {
             _sub: sub,
             span,
             cmd: c,
-            _sent: crate::reclaim::Deferred::new(frames),
+            sent: None,
         });
+    }
+
+    /// The task's frames are packed: send them, unless the task ended meanwhile.
+    fn on_packed(&mut self, task_id: u64, frames: Result<Frames, ExecuteError>) {
+        let current = self
+            .task
+            .as_ref()
+            .is_some_and(|t| t.id == task_id && t.sent.is_none());
+        let (Some(g), true) = (&self.group, current) else {
+            // Memory files are freed off this thread too.
+            drop(frames.map(crate::reclaim::Deferred::new));
+            return;
+        };
+        let frames = match frames {
+            Ok(f) => f,
+            Err(e) => {
+                if let Some(t) = self.task.take() {
+                    let _ = t.cmd.reply.send(Err(e));
+                }
+                return;
+            }
+        };
+        for link in &g.links {
+            if let Some(f) = &frames[usize::from(!link.passes_fds())] {
+                link.send(Channel::Exec, f.clone());
+            }
+        }
+        if let Some(t) = &mut self.task {
+            t.span.in_scope(|| debug!("task sent"));
+            t.sent = Some(crate::reclaim::Deferred::new(frames));
+        }
     }
 
     fn send_abort(&self, task_id: u64, reason: &str) {
@@ -1409,6 +1625,19 @@ impl Dispatcher {
     fn abort_task(&mut self, task_id: u64, reason: String) {
         let Some(t) = &mut self.task else { return };
         if t.id != task_id {
+            return;
+        }
+        if t.sent.is_none() {
+            // No rank has seen the task: it ends here.
+            if let Some(t) = self.task.take() {
+                t.span
+                    .in_scope(|| info!(%reason, "task aborted before it was sent"));
+                let _ = t.cmd.reply.send(Err(ExecuteError::Aborted {
+                    task: t.cmd.task,
+                    reason,
+                    forced: false,
+                }));
+            }
             return;
         }
         match &mut t.aborting {
@@ -1529,27 +1758,32 @@ impl Dispatcher {
             }));
             return;
         }
-        let result = match &self.cfg.result {
+        // Every rank succeeded: the group is healthy (a gather error below is the
+        // caller's, not the group's).
+        self.consecutive_failures = 0;
+        self.restarts = 0;
+        self.oom_execute_used = 0;
+        self.last_failure = None;
+        debug!("task done");
+        match &self.cfg.result {
             ResultPolicy::Gather {
                 weight_key,
                 average,
                 ..
             } if self.cfg.result.gathers(&t.cmd.task) => {
-                reduce(outputs, weight_key, average).map_err(ExecuteError::Gather)
+                // Averaging models is CPU work proportional to their size: off this thread.
+                let (weight_key, average, reply) =
+                    (weight_key.clone(), average.clone(), t.cmd.reply);
+                self.work.run(move || {
+                    let _ = reply
+                        .send(reduce(outputs, &weight_key, &average).map_err(ExecuteError::Gather));
+                });
             }
             _ => {
                 let (props, out) = outputs.swap_remove(0);
-                Ok((out, props))
+                let _ = t.cmd.reply.send(Ok((out, props)));
             }
-        };
-        if result.is_ok() {
-            self.consecutive_failures = 0;
-            self.restarts = 0;
-            self.oom_execute_used = 0;
-            self.last_failure = None;
         }
-        debug!("task done");
-        let _ = t.cmd.reply.send(result);
     }
 
     fn force_abort(&mut self) {
@@ -1844,6 +2078,7 @@ impl Dispatcher {
             after,
         };
         g.closed_pending.clear();
+        g.exits_pending.clear();
         self.maybe_finish_stop();
     }
 
@@ -1948,7 +2183,8 @@ impl Dispatcher {
             escalated = ?report.escalated.map(TermSignal::name),
             "rank group stopped"
         );
-        // Threads, listener, output pump, run directory and admission reservation go now.
+        // Threads, listener, output pump, run directory go now; the admission
+        // reservation on the admission thread (after any update queued there).
         drop(g);
         for a in after {
             a(self, &report);

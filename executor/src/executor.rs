@@ -91,7 +91,12 @@ impl MultiProcessExecutor {
         let program = resolve_program(&cfg.worker.program)
             .map_err(|m| ConfigError::new("worker.program", m))?;
         let (tx, rx) = crossbeam_channel::unbounded();
-        let dispatcher = Dispatcher::new(cfg.clone(), program, rx, admission);
+        let dispatcher = Dispatcher::new(cfg.clone(), program, rx, admission).map_err(|e| {
+            ConfigError::new(
+                "executor",
+                format!("cannot start the dispatcher's threads: {e}"),
+            )
+        })?;
         // This thread spawns the ranks, so it must live as long as the executor: the
         // ranks' PR_SET_PDEATHSIG fires when the thread that forked them exits.
         // Logs of the group (and its ranks' output) nest under the creator's span.

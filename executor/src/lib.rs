@@ -4,7 +4,8 @@
 //! - [`executor`]: the public executor (read its Caveats).
 //! - [`config`]: its configuration ([`ExecutorConfig`]).
 //! - [`error`]: one error enum per operation.
-//! - `dispatcher`: the single thread that owns the group's state.
+//! - `dispatcher`: the single thread that owns the group's state; `offload`: the
+//!   threads it hands slow work to (admission, packing, reducing).
 //! - [`group`]: processes (spawn, watch, signal, reap, output).
 //! - `session`: accepting and talking to ranks.
 //! - [`gpu`] and [`admission`]: NVML inventory, placement, memory admission.
@@ -20,6 +21,7 @@ pub mod executor;
 pub mod gpu;
 pub mod group;
 pub mod killswitch;
+mod offload;
 pub mod os;
 mod reclaim;
 pub mod result;

@@ -50,11 +50,15 @@ struct Tail {
     open: u8,
 }
 
+/// Called when a source's last pipe closes.
+type OnClosed = Box<dyn Fn(Source) + Send + Sync>;
+
 /// The last stderr lines of each source.
 #[derive(Default)]
 pub(crate) struct Tails {
     state: Mutex<HashMap<Source, Tail>>,
     cv: Condvar,
+    on_closed: Mutex<Option<OnClosed>>,
 }
 
 impl Tails {
@@ -89,16 +93,44 @@ impl Tails {
             .open += 1;
     }
 
+    /// Whether some pipe of `src` is still open (a dead rank's stderr stays open while
+    /// a child it left, such as a DataLoader worker, holds it).
+    pub(crate) fn is_open(&self, src: Source) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&src)
+            .is_some_and(|t| t.open > 0)
+    }
+
+    /// Calls `f` (on the pump thread, which must not block) whenever a source's last
+    /// pipe closes, so a waiter can learn it without blocking on [`Tails::tail`].
+    pub(crate) fn notify_closed(&self, f: impl Fn(Source) + Send + Sync + 'static) {
+        *self
+            .on_closed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(f));
+    }
+
     fn closed(&self, src: Source) {
-        if let Some(t) = self
+        let now_closed = self
             .state
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get_mut(&src)
-        {
-            t.open = t.open.saturating_sub(1);
-        }
+            .is_some_and(|t| {
+                t.open = t.open.saturating_sub(1);
+                t.open == 0
+            });
         self.cv.notify_all();
+        if now_closed
+            && let Some(f) = &*self
+                .on_closed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        {
+            f(src);
+        }
     }
 
     fn push(&self, src: Source, line: &str) {
@@ -260,5 +292,33 @@ fn pump(mut pipes: Vec<Pipe>, waker: &Waker, stop: &AtomicBool, tails: &Tails, l
     }
     for p in pipes {
         tails.closed(p.src);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closing_the_last_pipe_notifies_once() {
+        let tails = Tails::default();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        tails.notify_closed(move |s| {
+            let _ = tx.send(s);
+        });
+        let src = Source::Rank(3);
+        tails.opened(src);
+        tails.opened(src);
+        tails.push(src, "last words");
+        assert!(tails.is_open(src));
+        tails.closed(src);
+        assert!(rx.try_recv().is_err(), "stdout closed, stderr still open");
+        tails.closed(src);
+        assert_eq!(rx.try_recv().ok(), Some(src));
+        assert!(!tails.is_open(src));
+        assert_eq!(
+            tails.tail(src, Duration::ZERO),
+            vec!["last words".to_owned()]
+        );
     }
 }
