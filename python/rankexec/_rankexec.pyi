@@ -12,6 +12,7 @@ __all__ = [
     "BufferSealed",
     "Context",
     "EventFailed",
+    "HostBlob",
     "NotARank",
     "PrivateBuffer",
     "PropConflict",
@@ -21,6 +22,7 @@ __all__ = [
     "SharedBuffer",
     "Task",
     "TaskAborted",
+    "_HostGroup",
     "start",
     "worker_cli",
 ]
@@ -167,14 +169,14 @@ class HostBlob:
 
 @final
 class _HostGroup:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         config: str,
         on_event: Callable[[str, int | None, dict[str, Any]], dict[str, Any] | None] | None = None,
-        site: str = "local",
-        job_id: str = "",
+        site: str = ...,
+        job_id: str = ...,
         workspace: str | None = None,
-    ) -> None: ...
+    ) -> _HostGroup: ...
     def start(self, props: dict[str, Any] | None = None) -> None: ...
     def execute(
         self,
@@ -184,10 +186,10 @@ class _HostGroup:
         props: dict[str, Any] | None = None,
         abort_check: Callable[[], bool] | None = None,
         poll_s: float = 0.005,
-        abort_reason: str = "aborted by the host",
+        abort_reason: str = ...,
     ) -> tuple[dict[str, Any], dict[str, HostBlob], dict[str, Any]]: ...
     def fire_event(self, event: str, props: dict[str, Any] | None = None) -> dict[str, Any]: ...
-    def abort(self, reason: str = "aborted by the host") -> bool: ...
+    def abort(self, reason: str = ...) -> bool: ...
     def close(self) -> dict[str, Any]: ...
     def pids(self) -> list[int]: ...
     def prepare(self, sizes: list[int]) -> None: ...
