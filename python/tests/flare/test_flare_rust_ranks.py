@@ -1,5 +1,6 @@
-"""rankexec.flare.MultiProcessExecutor under the real `nvflare simulator`, with Rust
-ranks (the `rankexec-worker` builtins): lifecycle, failures, abort, SIGKILL.
+"""rankexec.flare.MultiProcessExecutor under the real `nvflare simulator`: lifecycle,
+failures, abort, SIGKILL, events; mostly with Rust ranks (the `rankexec-worker`
+builtins), the abort case with Python ranks.
 
 Each test runs `nvflare simulator JOB -w WS -n 2 -t 2` under a time cap and checks the
 workspace's error logs, the persisted model and, through /proc, that no rank is left.

@@ -34,6 +34,18 @@ def cfg(worker: str, component: str, n: int = 2, args: dict | None = None, **ext
     return c
 
 
+def when_busy(g: RankGroup, action) -> threading.Thread:
+    """Runs `action` from another thread once the group has a task in flight."""
+
+    def run():
+        if wait_until(lambda: g.phase == "busy", timeout=30, step=0.01):
+            action()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def gone(pids: list[int]) -> bool:
     return all(not os.path.exists(f"/proc/{p}") for p in pids)
 
@@ -159,7 +171,7 @@ def test_abort_from_another_thread(rust_worker):
     try:
         g.start()
         assert not g.abort()  # nothing in flight
-        threading.Timer(0.3, lambda: g.abort("stop now")).start()
+        when_busy(g, lambda: g.abort("stop now"))
         with pytest.raises(Aborted, match="stop now"):
             g.execute("t")
     finally:
@@ -171,7 +183,7 @@ def test_ctrl_c_aborts_the_task_then_raises_keyboard_interrupt(rust_worker):
     try:
         g.start()
         pids = g.pids()
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        when_busy(g, lambda: os.kill(os.getpid(), signal.SIGINT))
         with pytest.raises(KeyboardInterrupt):
             g.execute("t")
         # The ranks were told and returned: the group is still there and usable.
