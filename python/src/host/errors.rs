@@ -195,3 +195,13 @@ pub(crate) fn config_error(py: Python<'_>, e: &ConfigError) -> PyErr {
 pub(crate) fn config_text_error(py: Python<'_>, message: String) -> PyErr {
     build(py, "ConfigError", message, Ok(PyDict::new(py)))
 }
+
+/// The input could not be copied into shared memory.
+pub(crate) fn staging_error(py: Python<'_>, e: &std::io::Error) -> PyErr {
+    build(
+        py,
+        "RankexecError",
+        format!("cannot copy the input into shared memory: {e}"),
+        Ok(PyDict::new(py)),
+    )
+}

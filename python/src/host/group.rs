@@ -174,8 +174,7 @@ impl HostGroup {
             Ok((out, sizes))
         });
         drop(buffers);
-        let (blob_map, sizes) =
-            staged.map_err(|e| PyRuntimeError::new_err(format!("cannot stage the input: {e}")))?;
+        let (blob_map, sizes) = staged.map_err(|e| errors::staging_error(py, &e))?;
         let input = Shareable::from_parts(meta, blob_map);
         let ctx = self.context(props)?;
         let signal = Signal::new();
