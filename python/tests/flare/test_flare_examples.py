@@ -7,7 +7,8 @@ import re
 import shutil
 
 import numpy as np
-from conftest import (
+
+from .flare_helpers import (
     REPO,
     allow_rankexec,
     assert_no_errors,

@@ -15,7 +15,8 @@ import signal
 import time
 
 import numpy as np
-from conftest import (
+
+from .flare_helpers import (
     allow_rankexec,
     assert_no_errors,
     client_config,

@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import wait_until
 
 import rankexec
 from rankexec.host import (
@@ -21,6 +20,8 @@ from rankexec.host import (
     StartupFailed,
     TimedOut,
 )
+
+from .flare_helpers import wait_until
 
 
 def cfg(worker: str, component: str, n: int = 2, args: dict | None = None, **extra) -> dict:
