@@ -19,15 +19,20 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$site_base" > "$site/zz_base_venv.pth"
-# The simulator is started as `nvflare`, next to the interpreter.
-cat > "$venv/bin/nvflare" <<PY
+# The simulator is started as `nvflare`, and torchrun as `torchrun`, next to the
+# interpreter: both run with this venv's Python.
+write_entry() {  # NAME MODULE FUNCTION
+  cat > "$venv/bin/$1" <<PY
 #!$venv/bin/python
 import sys
-from nvflare.cli import main
+from $2 import $3
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit($3())
 PY
-chmod +x "$venv/bin/nvflare"
+  chmod +x "$venv/bin/$1"
+}
+write_entry nvflare nvflare.cli main
+write_entry torchrun torch.distributed.run main
 cd "$repo/python"
 VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" "$base/bin/maturin" develop --release --quiet
 "$venv/bin/python" -c 'import rankexec, nvflare; print("rankexec", rankexec.__file__, "| nvflare", nvflare.__version__)'
