@@ -16,8 +16,8 @@ fi
 VIRTUAL_ENV="$PWD/$VENV" "$VENV/bin/maturin" develop --release -m python/Cargo.toml
 cargo build --release    # rankexec, rankexec-worker, rankexec-pydriver
 
-"$VENV/bin/python" -m ruff check python examples/python benchmarks/python
-"$VENV/bin/python" -m ruff format --check python examples/python benchmarks/python
+"$VENV/bin/python" -m ruff check python examples/python benchmarks/python examples/flare benchmarks/flare
+"$VENV/bin/python" -m ruff format --check python examples/python benchmarks/python examples/flare benchmarks/flare
 
 # The stubs match the extension module.
 (cd python && "../$VENV/bin/python" -m mypy.stubtest rankexec._rankexec --allowlist stubtest-allowlist.txt && "../$VENV/bin/python" -m mypy -p rankexec --ignore-missing-imports)

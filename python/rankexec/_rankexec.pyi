@@ -1,6 +1,7 @@
-"""Type stubs for the native core of rankexec (rank side)."""
+"""Type stubs for the native core of rankexec (rank side; host side at the end)."""
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, final
 
 from rankexec._shareable import Shareable
@@ -11,6 +12,7 @@ __all__ = [
     "BufferSealed",
     "Context",
     "EventFailed",
+    "HostBlob",
     "NotARank",
     "PrivateBuffer",
     "PropConflict",
@@ -20,6 +22,7 @@ __all__ = [
     "SharedBuffer",
     "Task",
     "TaskAborted",
+    "_HostGroup",
     "start",
     "worker_cli",
 ]
@@ -151,3 +154,48 @@ class Rank:
 
 def start(mode: str, on_event: Callable[[str, Context], None] | None = None) -> Rank: ...
 def worker_cli(args: list[str]) -> int: ...
+
+# ---- host side (python/src/host/; wrapped by rankexec.host.RankGroup) ----------------
+
+@final
+class HostBlob:
+    """A blob a rank returned: a read-only buffer (no copy)."""
+
+    @property
+    def shared(self) -> bool: ...
+    def tobytes(self) -> bytes: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+@final
+class _HostGroup:
+    def __new__(
+        cls,
+        config: str,
+        on_event: Callable[[str, int | None, dict[str, Any]], dict[str, Any] | None] | None = None,
+        site: str = ...,
+        job_id: str = ...,
+        workspace: str | None = None,
+    ) -> _HostGroup: ...
+    def start(self, props: dict[str, Any] | None = None) -> None: ...
+    def execute(
+        self,
+        task: str,
+        meta: dict[str, Any],
+        blobs: dict[str, Any],
+        props: dict[str, Any] | None = None,
+        abort_check: Callable[[], bool] | None = None,
+        poll_s: float = 0.005,
+        abort_reason: str = ...,
+    ) -> tuple[dict[str, Any], dict[str, HostBlob], dict[str, Any]]: ...
+    def fire_event(self, event: str, props: dict[str, Any] | None = None) -> dict[str, Any]: ...
+    def abort(self, reason: str = ...) -> bool: ...
+    def close(self) -> dict[str, Any]: ...
+    def pids(self) -> list[int]: ...
+    def prepare(self, sizes: list[int]) -> None: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def log_dir(self) -> Path | None: ...
+    @property
+    def staged_bytes(self) -> int: ...

@@ -1,0 +1,1 @@
+../../../../python/ddp_digits/trainer.py

@@ -1,0 +1,46 @@
+"""rankexec inside NVIDIA FLARE 2.9.
+
+``rankexec.flare.MultiProcessExecutor`` replaces FLARE's own MultiProcessExecutor in a
+client's ``config_fed_client.json``: one ``path`` changes. ``rankexec.flare.RankErrorLogger``
+is an optional server component that writes the ranks' errors into the server's log.
+
+A site that runs jobs without custom code must allow the classes:
+``python -m rankexec.flare allow-list WORKSPACE`` adds ``"rankexec."`` to
+``WORKSPACE/local/resources.json``'s ``class_allow_list`` (keeping FLARE's defaults).
+
+The FLARE classes are imported on first use, so rank code that only needs
+``rankexec.flare.arrays`` (``from_blobs``, ``to_blobs``) does not import nvflare.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rankexec.flare.arrays import ARRAYS_KEY, from_blobs, to_blobs
+
+__all__ = [
+    "ARRAYS_KEY",
+    "ERROR_HEADER",
+    "FROM_RANK_PROP",
+    "MultiProcessExecutor",
+    "RankErrorLogger",
+    "from_blobs",
+    "to_blobs",
+]
+
+_LAZY = {
+    "MultiProcessExecutor": "rankexec.flare.executor",
+    "ERROR_HEADER": "rankexec.flare.executor",
+    "FROM_RANK_PROP": "rankexec.flare.executor",
+    "RankErrorLogger": "rankexec.flare.server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rankexec.flare' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

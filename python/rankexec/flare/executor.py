@@ -1,0 +1,343 @@
+"""``rankexec.flare.MultiProcessExecutor``: a rankexec rank group as a FLARE executor.
+
+Configure it in ``config_fed_client.json`` in place of FLARE's MultiProcessExecutor::
+
+    {"tasks": ["train"], "executor": {
+        "path": "rankexec.flare.MultiProcessExecutor",
+        "args": {"num_of_processes": 2, "rank_component": "ranks/np_delta.py:AddDelta",
+                 "rank_args": {"delta": 1.0}}}}
+
+The args are FLARE-style keyword arguments, not rankexec's ``components`` list: FLARE
+2.9 builds (and authorizes) every dict in a component's args that has ``id`` and
+``path`` keys, so rank components are named by ``rank_component`` (a Python rank
+``"module:Class"`` or ``"file.py:Class"``, a relative file resolved against the app's
+folder; or a component of a Rust ``worker``) and ``rank_args``. Keep ``id``/``path``
+pairs out of ``rank_args`` for the same reason.
+
+Lifecycle: START_RUN launches the group (site name, job id and the job's run directory
+from the FLContext; rank logs in ``RUN_DIR/rankexec/rank-N/``) and relays START_RUN to
+the ranks; END_RUN reaches the ranks, then the group is torn down (nothing is left
+running); ``_abort_task`` and FLARE's ``abort_signal`` (polled every
+``abort_poll_interval`` seconds, since it has no wake-up) abort the task in every rank.
+Other events are relayed to the ranks (``relay_events``), and events fired in ranks
+reach FLARE's engine with ``FROM_RANK_PROP`` set to the rank.
+
+Tasks: the DXO's numpy arrays travel as blobs, dtype and shape in the meta (see
+``rankexec.flare.arrays``); the rank's result comes back as a DXO of the same kind with
+``NUM_STEPS_CURRENT_ROUND`` from the ranks' meta. A rank failure returns
+``EXECUTION_EXCEPTION`` with the typed error logged (and in the reply's
+``rankexec_error`` header); an aborted task returns ``TASK_ABORTED``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.event_type import EventType
+from nvflare.apis.executor import Executor
+from nvflare.apis.fl_constant import FLContextKey, ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.signal import Signal
+from nvflare.app_common.app_constant import AppConstants
+
+from rankexec.flare.arrays import ARRAYS_KEY, from_blobs, to_blobs
+from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup
+
+#: Reply header holding the typed error of a failed rank group.
+ERROR_HEADER = "rankexec_error"
+#: FLContext property set on events that came from a rank (its rank number).
+FROM_RANK_PROP = "__rankexec_from_rank__"
+#: FLContext property holding the context properties a rank fired its event with.
+EVENT_PROPS_PROP = "__rankexec_event_props__"
+
+# Events not relayed to the ranks: handled here, or too frequent to be of use there.
+_NOT_RELAYED = frozenset(
+    {
+        EventType.START_RUN,
+        EventType.END_RUN,
+        EventType.ABORT_TASK,
+        EventType.CHECK_END_RUN_READINESS,
+        EventType.BEFORE_PULL_TASK,
+        EventType.AFTER_PULL_TASK,
+        EventType.CRITICAL_LOG_AVAILABLE,
+        EventType.ERROR_LOG_AVAILABLE,
+        EventType.EXCEPTION_LOG_AVAILABLE,
+        EventType.WARNING_LOG_AVAILABLE,
+        EventType.INFO_LOG_AVAILABLE,
+        EventType.DEBUG_LOG_AVAILABLE,
+    }
+)
+
+
+def _plain(v: Any) -> Any:
+    """``v`` as metadata (None, bool, int, float, str, list, dict), or ``_SKIP``."""
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return v.item()
+    if isinstance(v, list | tuple):
+        items = [_plain(x) for x in v]
+        return _SKIP if any(x is _SKIP for x in items) else items
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            px = _plain(x)
+            if isinstance(k, str) and px is not _SKIP:
+                out[k] = px
+        return out
+    return _SKIP
+
+
+_SKIP = object()
+
+
+class MultiProcessExecutor(Executor):
+    """Runs every task on a group of rank processes (see the module docs)."""
+
+    def __init__(
+        self,
+        num_of_processes: int = 1,
+        rank_component: str = "",
+        rank_args: dict | None = None,
+        worker: dict | None = None,
+        result: Any = "rank0",
+        deadlines: dict | None = None,
+        gpu: dict | None = None,
+        resources: dict | None = None,
+        launcher: Any = "builtin",
+        env: dict | None = None,
+        restart: dict | None = None,
+        relay_events: bool | list[str] = True,
+        abort_poll_interval: float = 0.005,
+        copy_results: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(rank_component, str) or not rank_component:
+            raise ValueError("rank_component must name the rank code (`module:Class`)")
+        if not isinstance(num_of_processes, int) or num_of_processes < 1:
+            raise ValueError(f"num_of_processes must be a positive int, not {num_of_processes!r}")
+        self._n = num_of_processes
+        self._rank_component = rank_component
+        self._rank_args = dict(rank_args or {})
+        self._worker = worker
+        self._options: dict[str, Any] = {"result": result, "launcher": launcher}
+        for key, value in (
+            ("deadlines", deadlines),
+            ("gpu", gpu),
+            ("resources", resources),
+            ("restart", restart),
+        ):
+            if value is not None:
+                self._options[key] = value
+        self._env = env
+        self._relay = relay_events
+        self._poll = float(abort_poll_interval)
+        self._copy = bool(copy_results)
+        self._group: RankGroup | None = None
+        self._engine: Any = None
+
+    # ---- configuration -------------------------------------------------------------
+
+    def _rank_path(self, app_root: str | None) -> str:
+        path = self._rank_component
+        file, sep, cls = path.partition(":")
+        if sep and file.endswith(".py") and not os.path.isabs(file) and app_root:
+            candidate = os.path.join(app_root, file)
+            if os.path.exists(candidate):
+                return f"{candidate}:{cls}"
+        return path
+
+    def group_config(self, run_dir: str, app_root: str | None) -> dict[str, Any]:
+        """The rankexec executor configuration this adapter runs."""
+        worker = self._worker or {"program": sys.executable, "args": ["-m", "rankexec.worker"]}
+        env = dict(self._env or {})
+        custom = os.path.join(app_root, "custom") if app_root else None
+        if custom and os.path.isdir(custom):
+            env_set = dict(env.get("set") or {})
+            parts = [custom, env_set.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")]
+            env_set["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+            env["set"] = env_set
+        cfg: dict[str, Any] = {
+            "executor_id": "rank",
+            "num_of_processes": self._n,
+            "components": [
+                {"id": "rank", "path": self._rank_path(app_root), "args": self._rank_args}
+            ],
+            "worker": worker,
+            "log_dir": os.path.join(run_dir, "rankexec"),
+            **self._options,
+        }
+        if env:
+            cfg["env"] = env
+        return cfg
+
+    # ---- events --------------------------------------------------------------------
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if fl_ctx.get_prop(FROM_RANK_PROP) is not None:
+            return  # fired by one of our ranks: do not send it back down
+        if event_type == EventType.START_RUN:
+            self._start(fl_ctx)
+        elif event_type == EventType.END_RUN:
+            self._stop(fl_ctx)
+        elif event_type == EventType.ABORT_TASK:
+            if self._group is not None and self._group.abort("FLARE fired _abort_task"):
+                self.log_info(fl_ctx, "task aborted in every rank (_abort_task)")
+        elif self._relays(event_type):
+            self._relay_event(event_type, fl_ctx)
+
+    def _relays(self, event_type: str) -> bool:
+        if self._group is None or event_type in _NOT_RELAYED:
+            return False
+        if isinstance(self._relay, list):
+            return event_type in self._relay
+        return bool(self._relay)
+
+    def _relay_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        group = self._group
+        if group is None:
+            return
+        try:
+            group.fire_event(event_type)
+        except RankexecError as e:
+            self.log_error(fl_ctx, f"event {event_type} failed in the rank group: {e}")
+
+    def _start(self, fl_ctx: FLContext) -> None:
+        site = fl_ctx.get_identity_name() or "site"
+        job_id = str(fl_ctx.get_job_id() or "")
+        self._engine = fl_ctx.get_engine()
+        workspace = fl_ctx.get_prop(FLContextKey.WORKSPACE_OBJECT)
+        if workspace is None and self._engine is not None:
+            workspace = self._engine.get_workspace()
+        if workspace is not None and job_id:
+            run_dir = workspace.get_run_dir(job_id)
+        else:
+            run_dir = tempfile.mkdtemp(prefix=f"rankexec-{site}-")
+        app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
+        t0 = time.perf_counter()
+        try:
+            group = RankGroup(
+                self.group_config(run_dir, app_root),
+                on_event=self._on_rank_event,
+                site=site,
+                job_id=job_id,
+                workspace=run_dir,
+            )
+            group.start({"run_dir": run_dir, "site_name": site, "job_id": job_id})
+        except RankexecError as e:
+            self.log_error(fl_ctx, f"cannot start the rank group: {e}")
+            self.system_panic(f"rankexec: cannot start the rank group: {e}", fl_ctx)
+            return
+        self._group = group
+        self.log_info(
+            fl_ctx,
+            f"rank group of {self._n} ready in {(time.perf_counter() - t0) * 1e3:.1f} ms "
+            f"(pids {group.pids()}; logs in {group.log_dir})",
+        )
+        self._relay_event(EventType.START_RUN, fl_ctx)
+
+    def _stop(self, fl_ctx: FLContext) -> None:
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            group.fire_event(EventType.END_RUN)
+        except RankexecError as e:
+            self.log_warning(fl_ctx, f"END_RUN did not reach every rank: {e}")
+        report = group.close()
+        how = f"after {report['escalated']}" if report["escalated"] else "cooperatively"
+        self.log_info(
+            fl_ctx,
+            f"rank group stopped {how} in {report['elapsed_s'] * 1e3:.1f} ms "
+            f"(pids {report['pids']})",
+        )
+        if report["unkillable"]:
+            self.log_error(fl_ctx, f"processes survived SIGKILL: {report['unkillable']}")
+
+    def _on_rank_event(self, event: str, rank: int | None, props: dict) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        ctx = engine.new_context()
+        ctx.set_prop(FROM_RANK_PROP, rank, private=True, sticky=False)
+        plain = {k: v for k, v in props.items() if not k.startswith("__")}
+        ctx.set_prop(EVENT_PROPS_PROP, plain, private=True, sticky=False)
+        self.fire_event(event, ctx)
+        return
+
+    # ---- tasks ---------------------------------------------------------------------
+
+    def execute(
+        self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal
+    ) -> Shareable:
+        group = self._group
+        if group is None:
+            self.log_error(fl_ctx, "the rank group is not running (START_RUN failed)")
+            return self._failed("the rank group is not running")
+        try:
+            dxo = from_shareable(shareable)
+        except (ValueError, TypeError, KeyError):
+            dxo = None  # not a DXO: only the headers travel
+        meta: dict[str, Any] = {
+            "current_round": _plain(shareable.get_header(AppConstants.CURRENT_ROUND)),
+            "num_rounds": _plain(shareable.get_header(AppConstants.NUM_ROUNDS)),
+        }
+        blobs: dict[str, Any] = {}
+        specs: dict[str, Any] = {}
+        if dxo is not None:
+            blobs, specs, values = to_blobs(dxo.data)
+            meta[ARRAYS_KEY] = specs
+            meta["dxo_kind"] = str(getattr(dxo.data_kind, "value", dxo.data_kind))
+            dxo_meta = _plain(dxo.meta or {})
+            meta["dxo_meta"] = {} if dxo_meta is _SKIP else dxo_meta
+            plain_values = _plain(values)
+            if plain_values:
+                meta["dxo_values"] = plain_values
+        try:
+            result = group.execute(
+                task_name,
+                meta,
+                blobs,
+                abort_check=lambda: abort_signal.triggered,
+                poll_s=self._poll,
+                abort_reason="FLARE's abort_signal fired",
+            )
+        except Aborted as e:
+            self.log_info(fl_ctx, f"task {task_name} aborted in every rank: {e}")
+            return make_reply(ReturnCode.TASK_ABORTED)
+        except RankFailed as e:
+            self.log_error(fl_ctx, f"task {task_name}: {e}\n{e.report}")
+            return self._failed(str(e))
+        except RankexecError as e:
+            self.log_error(fl_ctx, f"task {task_name} failed: {e}")
+            return self._failed(str(e))
+        if abort_signal.triggered:
+            return make_reply(ReturnCode.TASK_ABORTED)
+        out_meta = result.meta
+        arrays = from_blobs(result.blobs, out_meta.get(ARRAYS_KEY), specs)
+        if self._copy:
+            arrays = {k: a.copy() for k, a in arrays.items()}
+        if dxo is None and not arrays:
+            reply = make_reply(ReturnCode.OK)
+            reply.set_header("rankexec_meta", out_meta)
+            return reply
+        kind = out_meta.get("dxo_kind") or (dxo.data_kind if dxo is not None else DataKind.WEIGHTS)
+        dxo_meta = dict(out_meta.get("dxo_meta") or {})
+        steps = out_meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
+        if steps is not None:
+            dxo_meta[MetaKey.NUM_STEPS_CURRENT_ROUND] = steps
+        data: dict[str, Any] = dict(out_meta.get("dxo_values") or {})
+        data.update(arrays)
+        return DXO(data_kind=kind, data=data, meta=dxo_meta).to_shareable()
+
+    @staticmethod
+    def _failed(error: str) -> Shareable:
+        reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
+        reply.set_header(ERROR_HEADER, error)
+        return reply

@@ -1,0 +1,245 @@
+"""The host side: a rank group driven from Python.
+
+``RankGroup`` wraps rankexec's ``MultiProcessExecutor``: it launches ``num_of_processes``
+rank processes, keeps them alive across tasks, fans each task out to every rank and
+returns rank 0's result (or the combined one), relays events both ways, and tears
+everything down on ``close()``. It is configured with a dict holding the same keys as
+the ``args`` of a ``MultiProcessExecutor`` in a rankexec job (``executor_id``,
+``num_of_processes``, ``components``, ``worker``, ``deadlines``, ``result``, ``gpu``,
+``resources``, ``launcher``, ...).
+
+Blocking calls release the GIL and wake for Ctrl-C: the first Ctrl-C during
+``execute`` aborts the task in every rank and raises ``KeyboardInterrupt`` once the
+ranks have stopped; a second raises at once.
+
+Failures are typed: ``RankFailed`` (rank, pid, cause, stderr tail), ``Aborted``,
+``TimedOut``, ``StartupFailed``, ``EventFailed``, ``ConfigError``; all derive from
+``RankexecError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Self
+
+from rankexec import _rankexec
+
+__all__ = [
+    "Aborted",
+    "ConfigError",
+    "EventFailed",
+    "HostBlob",
+    "RankFailed",
+    "RankGroup",
+    "RankexecError",
+    "StartupFailed",
+    "TaskResult",
+    "TimedOut",
+]
+
+HostBlob = _rankexec.HostBlob
+
+
+class RankexecError(_rankexec.RankexecError):
+    """Base class of the host side's errors (a ``rankexec.RankexecError``); ``str()`` is
+    the whole error chain."""
+
+    def __init__(self, message: str, **attrs: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+
+class ConfigError(RankexecError):
+    """The configuration is invalid (the message names the field)."""
+
+
+class RankFailed(RankexecError):
+    """A rank failed: it crashed, exited, raised, stopped answering or broke the protocol.
+
+    Attributes: ``rank``, ``pid`` (or None), ``cause`` (one line), ``error_class``
+    (``exception``, ``panic``, ``exit_code``, ``signal``, ``out_of_memory``, ``timeout``,
+    ``protocol``), ``stderr_tail`` (last lines of the rank's stderr), ``remote_message``
+    (what the rank's code reported, if it did), ``others`` (later failures, as reports)
+    and ``report`` (a multi-line text for logs).
+    """
+
+    rank: int
+    pid: int | None
+    cause: str
+    error_class: str
+    stderr_tail: list[str]
+    remote_message: str | None
+    others: list[str]
+    report: str
+
+
+class StartupFailed(RankexecError):
+    """The group could not start. ``rank``, ``pid``, ``cause``, ``remote_message`` are
+    set when one rank is to blame; ``error_class`` says how it failed."""
+
+    rank: int | None
+    pid: int | None
+    cause: str | None
+    error_class: str | None
+    stderr_tail: list[str]
+    remote_message: str | None
+
+
+class Aborted(RankexecError):
+    """The task was aborted (``reason``); ``forced`` when the ranks did not stop within
+    the abort grace and the group was killed (the next task relaunches it)."""
+
+    task: str | None
+    reason: str
+    forced: bool
+
+
+class TimedOut(RankexecError):
+    """A deadline passed (``what``, ``timeout_s``); ``pending`` lists the ranks that had
+    not answered. The group was torn down."""
+
+    what: str
+    timeout_s: float
+    pending: list[int]
+
+
+class EventFailed(RankexecError):
+    """A rank's handler failed on ``event`` (``rank``)."""
+
+    event: str
+    rank: int | None
+
+
+class TaskResult:
+    """What ``RankGroup.execute`` returns: ``meta`` (dict), ``blobs`` (name to
+    ``HostBlob``, a read-only buffer: ``numpy.frombuffer(blob, dtype)`` reads it in
+    place) and ``props`` (rank 0's context properties)."""
+
+    __slots__ = ("blobs", "meta", "props")
+
+    def __init__(
+        self, meta: dict[str, Any], blobs: dict[str, HostBlob], props: dict[str, Any]
+    ) -> None:
+        self.meta = meta
+        self.blobs = blobs
+        self.props = props
+
+    def __repr__(self) -> str:
+        return f"TaskResult(meta={self.meta!r}, blobs={self.blobs!r})"
+
+
+EventCallback = Callable[[str, "int | None", dict[str, Any]], "dict[str, Any] | None"]
+
+
+class RankGroup:
+    """A group of rank processes that runs every task on all ranks.
+
+    ``on_event(event, rank, props)`` receives each event a rank fires (on a relay thread;
+    a dict it returns is merged into the rank's context). ``site``, ``job_id`` and
+    ``workspace`` are what the ranks see as their engine's identity, job and workspace;
+    rank logs go to ``config["log_dir"]`` or ``workspace/<executor_id>/rank-N/``.
+
+    Use as a context manager, or call ``close()``: it tears the group down and reports
+    what it stopped.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        on_event: EventCallback | None = None,
+        site: str = "local",
+        job_id: str = "",
+        workspace: str | None = None,
+    ) -> None:
+        try:
+            text = json.dumps(config)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"the configuration is not JSON: {e}") from e
+        self._native = _rankexec._HostGroup(
+            text, on_event=on_event, site=site, job_id=job_id, workspace=workspace
+        )
+        self._started = False
+
+    def start(self, props: Mapping[str, Any] | None = None) -> None:
+        """Launches the ranks and waits until every one is ready (``StartupFailed``).
+        After ``close()``, starts a new group."""
+        self._native.start(dict(props) if props else None)
+        self._started = True
+
+    def execute(
+        self,
+        task: str,
+        meta: Mapping[str, Any] | None = None,
+        blobs: Mapping[str, Any] | None = None,
+        *,
+        props: Mapping[str, Any] | None = None,
+        abort_check: Callable[[], bool] | None = None,
+        poll_s: float = 0.005,
+        abort_reason: str = "aborted by the host",
+    ) -> TaskResult:
+        """Runs ``task`` on every rank. ``blobs`` maps names to buffers (bytes, numpy
+        arrays, memoryviews; C-contiguous), sent as raw bytes; large ones are copied once
+        into shared memory that every rank maps. ``abort_check`` is polled every
+        ``poll_s`` seconds; when it returns true the task is aborted in every rank
+        (``abort_reason`` is what the ranks' abort signal and ``Aborted`` say).
+        Starts the group if it was never started."""
+        if not self._started:
+            self.start()
+        meta_out, blobs_out, props_out = self._native.execute(
+            task,
+            dict(meta or {}),
+            dict(blobs or {}),
+            dict(props) if props else None,
+            abort_check,
+            poll_s,
+            abort_reason,
+        )
+        return TaskResult(meta_out, blobs_out, props_out)
+
+    def fire_event(self, event: str, props: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Delivers ``event`` to every rank; returns rank 0's context properties."""
+        return self._native.fire_event(event, dict(props) if props else None)
+
+    def abort(self, reason: str = "aborted by the host") -> bool:
+        """Aborts the task in flight (from another thread); returns whether there was one."""
+        return self._native.abort(reason)
+
+    def close(self) -> dict[str, Any]:
+        """Tears the group down; returns ``{"elapsed_s", "escalated", "unkillable",
+        "pids"}`` (``pids``: the processes that were running)."""
+        return self._native.close()
+
+    def pids(self) -> list[int]:
+        """The pids of the group's live processes."""
+        return self._native.pids()
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Prepares shared memory for input blobs of these sizes now (done in the
+        background after every task anyway)."""
+        self._native.prepare(list(sizes))
+
+    @property
+    def phase(self) -> str:
+        """``idle``, ``admitting``, ``starting``, ``ready``, ``busy`` or ``stopping``."""
+        return self._native.phase
+
+    @property
+    def log_dir(self) -> str | None:
+        """The directory holding ``rank-N/{stdout,stderr}.log``, once started."""
+        d = self._native.log_dir
+        return None if d is None else str(d)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of shared memory prepared for the next task's input."""
+        return self._native.staged_bytes
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

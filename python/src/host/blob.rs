@@ -1,0 +1,94 @@
+//! `HostBlob`: a blob a rank returned, readable from Python without a copy.
+//!
+//! It implements the buffer protocol read-only: `np.frombuffer(blob, dtype)` and
+//! `memoryview(blob)` see the bytes where they are (a mapping of the rank's sealed
+//! memory file for large blobs). The bytes live as long as any view of them does.
+
+use std::ffi::{c_int, c_void};
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use rankexec_protocol::Blob;
+
+/// A result blob (read-only bytes).
+#[pyclass(frozen, module = "rankexec._rankexec")]
+pub struct HostBlob {
+    pub(crate) blob: Blob,
+}
+
+#[pymethods]
+impl HostBlob {
+    fn __len__(&self) -> usize {
+        self.blob.len()
+    }
+
+    /// Whether the bytes are a mapping of a shared memory file (not a copy).
+    #[getter]
+    fn shared(&self) -> bool {
+        self.blob.is_shared()
+    }
+
+    /// A copy of the bytes.
+    fn tobytes<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
+        pyo3::types::PyBytes::new(py, &self.blob)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "HostBlob(len={}, shared={})",
+            self.blob.len(),
+            self.blob.is_shared()
+        )
+    }
+
+    /// # Safety
+    ///
+    /// Called by Python with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("view is null"));
+        }
+        if (flags & ffi::PyBUF_WRITABLE) == ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err("a rank's result is read-only"));
+        }
+        let data: &[u8] = &slf.get().blob;
+        let ptr = data.as_ptr();
+        let len = data.len() as isize;
+        // SAFETY: `view` is non-null and points to a `Py_buffer` Python asked us to fill.
+        // `obj` holds a strong reference to this object, whose `Blob` is immutable
+        // (frozen class, reference-counted bytes that are never written), so `buf`
+        // stays valid and unchanged until Python releases the view. `format` points to
+        // a static C string, so nothing needs to be freed in `__releasebuffer__`.
+        unsafe {
+            (*view).obj = slf.into_any().into_ptr();
+            (*view).buf = ptr as *mut c_void;
+            (*view).len = len;
+            (*view).readonly = 1;
+            (*view).itemsize = 1;
+            (*view).format = if (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
+                c"B".as_ptr().cast_mut()
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).ndim = 1;
+            (*view).shape = if (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
+                &mut (*view).len
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).strides = if (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
+                &mut (*view).itemsize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+}

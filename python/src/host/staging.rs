@@ -1,0 +1,172 @@
+//! Memory files prepared while the group is idle.
+//!
+//! A payload that comes from Python lives in ordinary memory, so reaching the ranks
+//! costs one copy into a sealed memory file. The expensive part of that copy is not
+//! the bytes but the pages: a fresh memory file allocates (and the kernel zeroes) every
+//! page on first touch, and on a VM that returns freed pages to its host each of those
+//! faults also goes to the hypervisor. So after every task, a background thread
+//! prepares a memory file of each large size just used, with its pages allocated and
+//! mapped writable (`MAP_POPULATE`). The next task of the same shape only copies into
+//! pages that exist, unmaps, seals and sends.
+//!
+//! Caveats: Linux only (`memfd_create` and seals). A prepared file holds its memory
+//! while idle (one payload's worth per size). A size not prepared falls back to a fresh
+//! file, which is correct, only slower.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use bytes::Bytes;
+use rankexec_protocol::Blob;
+use rustix::fs::{MemfdFlags, SealFlags};
+
+/// How many prepared files of one size are kept.
+const PER_SIZE: usize = 1;
+
+/// A memory file of `len` bytes with its pages allocated and mapped writable.
+struct Prepared {
+    fd: OwnedFd,
+    map: memmap2::MmapMut,
+}
+
+impl Prepared {
+    fn new(len: usize) -> io::Result<Prepared> {
+        let fd = rustix::fs::memfd_create(
+            "rankexec-staged",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        // SAFETY: the file was created just above and is not shared with anyone: no
+        // other mapping, writer or truncation can exist while this mapping lives. It is
+        // dropped before the file is sealed (sealing needs no writable mapping left).
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(len)
+                .populate()
+                .map_mut(fd.as_raw_fd())?
+        };
+        Ok(Prepared { fd, map })
+    }
+
+    /// Copies `src` (exactly the file's size) in, seals the file, and maps it read-only.
+    fn fill(mut self, src: &[u8]) -> io::Result<Blob> {
+        self.map.copy_from_slice(src);
+        let Prepared { fd, map } = self;
+        drop(map);
+        rustix::fs::fcntl_add_seals(
+            &fd,
+            SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+        )?;
+        // SAFETY: the file is sealed against writes, shrinking and growing (seals cannot
+        // be removed) and holds exactly `src.len()` bytes, so the read-only mapping can
+        // neither change under us nor fault past the end.
+        let ro = unsafe {
+            memmap2::MmapOptions::new()
+                .len(src.len())
+                .map(fd.as_raw_fd())?
+        };
+        Ok(Blob::from_sealed_memfd(Bytes::from_owner(ro), Arc::new(fd)))
+    }
+}
+
+/// The pool of prepared files, and the threshold above which blobs are staged.
+pub(crate) struct Stager {
+    threshold: usize,
+    spare: Mutex<Vec<Prepared>>,
+}
+
+impl Stager {
+    pub(crate) fn new(threshold: usize) -> Arc<Stager> {
+        Arc::new(Stager {
+            threshold: threshold.max(1),
+            spare: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Whether a blob of `len` bytes goes through a memory file.
+    pub(crate) fn stages(&self, len: usize) -> bool {
+        len >= self.threshold
+    }
+
+    /// A blob holding a copy of `src`: in a prepared memory file when one of this size is
+    /// ready, else in a fresh one; small blobs are plain copies. Returns the blob and
+    /// whether a prepared file was used.
+    pub(crate) fn blob(&self, src: &[u8]) -> io::Result<(Blob, bool)> {
+        if !self.stages(src.len()) {
+            return Ok((Blob::from(src.to_vec()), false));
+        }
+        let ready = {
+            let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+            spare
+                .iter()
+                .position(|p| p.map.len() == src.len())
+                .map(|i| spare.swap_remove(i))
+        };
+        match ready {
+            Some(p) => Ok((p.fill(src)?, true)),
+            None => Ok((Prepared::new(src.len())?.fill(src)?, false)),
+        }
+    }
+
+    /// Prepares files of these sizes on a background thread (sizes already prepared are
+    /// skipped); failures only log.
+    pub(crate) fn prepare_in_background(self: &Arc<Self>, sizes: Vec<usize>) {
+        let sizes: Vec<usize> = sizes.into_iter().filter(|s| self.stages(*s)).collect();
+        if sizes.is_empty() {
+            return;
+        }
+        let me = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("rx-stage".into())
+            .spawn(move || me.prepare(&sizes));
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the staging thread: {e}");
+        }
+    }
+
+    /// Prepares files of these sizes now.
+    pub(crate) fn prepare(&self, sizes: &[usize]) {
+        for &len in sizes {
+            if !self.stages(len) {
+                continue;
+            }
+            let have = self
+                .spare
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .filter(|p| p.map.len() == len)
+                .count();
+            if have >= PER_SIZE {
+                continue;
+            }
+            match Prepared::new(len) {
+                Ok(p) => self
+                    .spare
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(p),
+                Err(e) => tracing::warn!(len, "cannot prepare a memory file: {e}"),
+            }
+        }
+    }
+
+    /// Bytes held by prepared files.
+    pub(crate) fn held(&self) -> usize {
+        self.spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|p| p.map.len())
+            .sum()
+    }
+
+    /// Frees every prepared file.
+    pub(crate) fn clear(&self) {
+        self.spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+}
