@@ -13,7 +13,9 @@
 #      python/ (`maturin develop --release`);
 #   3. runs `cargo test --workspace [--features mpi]` with the venv's bin first on PATH
 #      (tests that drive python or torchrun find them there);
-#   4. runs `python -m pytest python/tests -q` and `ruff check` on the Python sources.
+#   4. builds the release binaries the Python tests drive, runs `python -m pytest
+#      python/tests -q` (python/tests/flare runs the real `nvflare simulator`), then
+#      ruff, mypy's stubtest and mypy on the Python sources.
 #
 # Environment:
 #   RANKEXEC_SKIP_PY=1     skip the Python part (no venv, no pytest, no ruff)
@@ -105,6 +107,10 @@ cargo test --workspace "${FEATURES[@]}" "$@"
 
 # --- 4. Python tests and lint --------------------------------------------------------------
 if [ "$PY_TESTS" = 1 ]; then
+    # The Python tests drive the release binaries (rankexec, rankexec-worker,
+    # rankexec-pydriver); python/tests/flare runs the real `nvflare simulator`.
+    say "cargo build --release --workspace --bins (the binaries the Python tests drive)"
+    cargo build --release --workspace --bins
     if compgen -G 'python/tests/test_*.py' >/dev/null || compgen -G 'python/tests/*_test.py' >/dev/null; then
         say "python -m pytest python/tests -q"
         python -m pytest python/tests -q
@@ -112,12 +118,17 @@ if [ "$PY_TESTS" = 1 ]; then
         say "no Python tests in python/tests"
     fi
     LINT=()
-    for d in python examples/python; do
+    for d in python examples/python examples/flare benchmarks/python benchmarks/flare; do
         [ -d "$d" ] && LINT+=("$d")
     done
     if [ "${#LINT[@]}" -gt 0 ]; then
-        say "ruff check ${LINT[*]}"
+        say "ruff check / ruff format --check ${LINT[*]}"
         ruff check "${LINT[@]}"
+        ruff format --check "${LINT[@]}"
     fi
+    # The type stubs match the extension module, and the package type-checks.
+    say "mypy.stubtest rankexec._rankexec; mypy -p rankexec"
+    (cd python && python -m mypy.stubtest rankexec._rankexec --allowlist stubtest-allowlist.txt \
+        && python -m mypy -p rankexec --ignore-missing-imports)
 fi
 say "all tests passed"
