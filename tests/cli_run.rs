@@ -86,7 +86,7 @@ fn run_works_without_a_built_worker_and_is_quiet() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success());
     assert!(stderr.contains("INFO"), "-v shows info lines: {stderr}");
-    assert!(stderr.contains("rankexec-worker is not built"), "{stderr}");
+    assert!(stderr.contains("ranks run `rankexec worker`"), "{stderr}");
     let rank_line = stderr
         .lines()
         .find(|l| l.contains("rank{rank=0}: rank ready"))

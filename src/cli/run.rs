@@ -3,8 +3,10 @@
 //! Useful to try a worker program and its components, and to watch the group's
 //! lifecycle: `rankexec run -n 4 --component Echo --rounds 3`.
 //!
-//! - The rank program defaults to `rankexec-worker` next to this binary; when that is
-//!   not built, this binary's own `worker` subcommand runs the ranks.
+//! - The rank program defaults to this binary's own `worker` subcommand (the built-ins
+//!   and the example components, always of this version); `--worker` names another, and
+//!   a `--config` file's `worker` is used as written (`rankexec-worker` falls back to
+//!   this binary when it is not built).
 //! - Rank logs go to `--log-dir`, else to a private temporary directory (0700, under
 //!   `$TMPDIR`) that is removed at exit unless a round failed; the path is printed.
 //! - Ctrl-C or SIGTERM: the first aborts the task and stops the group (exit 130), a
@@ -39,8 +41,8 @@ pub struct RunArgs {
     /// A whole executor configuration (JSON), instead of --ranks/--component/--args.
     #[arg(long, conflicts_with_all = ["component", "args"])]
     config: Option<PathBuf>,
-    /// The worker program (default: rankexec-worker next to this binary, else this
-    /// binary's own `worker` subcommand).
+    /// The worker program (default: this binary's own `worker` subcommand, or the
+    /// config file's `worker`).
     #[arg(long)]
     worker: Option<String>,
     /// An argument for the worker program (repeat for more).
@@ -67,7 +69,9 @@ pub struct RunArgs {
     verbose: u8,
 }
 
-/// The default program when it is not built: this binary in rank mode.
+/// The rank program: `--worker` when given; without `--config`, this binary in rank
+/// mode; with one, the config's program, or this binary when that is the default
+/// `rankexec-worker` and it is not built.
 fn choose_worker(cfg: &mut ExecutorConfig, a: &RunArgs) -> anyhow::Result<()> {
     if let Some(w) = &a.worker {
         cfg.worker.program = w.clone();
@@ -77,12 +81,16 @@ fn choose_worker(cfg: &mut ExecutorConfig, a: &RunArgs) -> anyhow::Result<()> {
     if !a.worker_args.is_empty() {
         cfg.worker.args = a.worker_args.clone();
     }
-    if cfg.worker.program == "rankexec-worker" && resolve_program(&cfg.worker.program).is_err() {
+    // Without a config, ranks run this very binary (`rankexec worker`): it is always
+    // built and always of this version. A `rankexec-worker` left next to it by an
+    // earlier build may speak an older start-up contract.
+    let own = a.config.is_none();
+    if own
+        || (cfg.worker.program == "rankexec-worker"
+            && resolve_program(&cfg.worker.program).is_err())
+    {
         let me = std::env::current_exe().context("cannot find this program's path")?;
-        tracing::info!(
-            program = %me.display(),
-            "rankexec-worker is not built; ranks run `rankexec worker`"
-        );
+        tracing::info!(program = %me.display(), "ranks run `rankexec worker`");
         cfg.worker.program = me.display().to_string();
         cfg.worker.args = vec!["worker".to_owned()];
     }
