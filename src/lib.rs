@@ -19,6 +19,10 @@
 //! - [`sim`]: `rankexec simulate`, the whole federation in one process;
 //! - [`signals`]: Ctrl-C handling for binaries;
 //! - [`bench`](mod@bench): `rankexec bench`.
+//!
+//! The library knows no example component: hosts pass the registry they serve (the
+//! `rankexec` binary passes `rankexec_examples::worker_registry()`), so a program that
+//! uses this library links only what it registers.
 
 pub use rankexec_executor as executor;
 pub use rankexec_protocol as protocol;
@@ -31,11 +35,3 @@ pub mod logging;
 pub mod server;
 pub mod signals;
 pub mod sim;
-
-/// Every component the `rankexec worker` rank program knows: the built-ins of
-/// `rankexec-worker` plus the example components.
-pub fn worker_registry() -> protocol::Registry {
-    let mut r = sub_worker::builtins::registry();
-    r.extend(rankexec_examples::registry());
-    r
-}

@@ -80,7 +80,7 @@ fn task_abort_reaches_ranks_first_and_does_not_wait_for_abort_task_acks() {
         tmp.path().join("ws"),
     );
     write_job(&job_dir, &logs);
-    let registry = rankexec::worker_registry();
+    let registry = rankexec_examples::worker_registry();
     let job = rankexec::job::load(&job_dir, &registry).unwrap();
     let client = Arc::new(ClientRuntime::build(&job, 0, 1, &ws, &registry).unwrap());
     client.start().unwrap();

@@ -37,7 +37,7 @@ fn load_edited(
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     edit(&mut v);
     std::fs::write(&path, v.to_string()).unwrap();
-    load(dir.path(), &rankexec::worker_registry())
+    load(dir.path(), &rankexec_examples::worker_registry())
 }
 
 const CLIENT: &str = "app/config/config_fed_client.json";
@@ -157,7 +157,7 @@ fn broken_json_names_the_line() {
         dir.path(),
     );
     std::fs::write(dir.path().join(SERVER), "{\n  \"workflows\": [,]\n}").unwrap();
-    let err = load(dir.path(), &rankexec::worker_registry()).unwrap_err();
+    let err = load(dir.path(), &rankexec_examples::worker_registry()).unwrap_err();
     assert_eq!(err.file, SERVER);
     assert_eq!(err.path, "line 2 column 17");
     assert!(

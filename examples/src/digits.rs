@@ -1,7 +1,7 @@
 //! The digits data set and a softmax-regression classifier, in plain Rust.
 //!
 //! The data is the 8x8 handwritten digits set (1797 samples, 64 features, 10 classes)
-//! that `smartcore` ships with its `datasets` feature: nothing is downloaded. Splits
+//! embedded in this crate ([`dataset`](crate::dataset)): nothing is downloaded. Splits
 //! are deterministic (a seeded shuffle), so every run and every rank sees the same
 //! partition.
 //!
@@ -11,6 +11,8 @@
 //! can average.
 
 use rankexec_protocol::{Blob, ComponentError, Shareable, Value};
+
+use crate::dataset::DataError;
 
 /// Default training hyper-parameters shared by the trainers' JSON arguments
 /// (`#[serde(default = "digits::defaults::lr")]`).
@@ -64,7 +66,7 @@ pub const FEATURES: usize = 64;
 pub const CLASSES: usize = 10;
 
 /// Samples as rows of `FEATURES` values in [0, 1], with labels.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Data {
     /// Row-major features.
     pub x: Vec<f32>,
@@ -136,19 +138,15 @@ pub enum Partition {
 }
 
 /// The whole data set, split into train and test parts by a seeded shuffle.
-pub fn load(seed: u64, test_fraction: f64) -> (Data, Data) {
-    let ds = smartcore::dataset::digits::load_dataset();
-    let n = ds.num_samples;
-    let all = Data {
-        x: ds.data.iter().map(|v| v / 16.0).collect(),
-        y: ds.target.iter().map(|v| *v as u8).collect(),
-    };
+pub fn load(seed: u64, test_fraction: f64) -> Result<(Data, Data), DataError> {
+    let all = crate::dataset::digits()?;
+    let n = all.len();
     let mut idx: Vec<usize> = (0..n).collect();
     Rng::new(seed).shuffle(&mut idx);
     let n_test = ((n as f64) * test_fraction).round() as usize;
     let test = all.select(idx[..n_test].iter().copied());
     let train = all.select(idx[n_test..].iter().copied());
-    (train, test)
+    Ok((train, test))
 }
 
 /// Client `index`'s share (0-based) of `data` among `clients`.
@@ -349,7 +347,7 @@ mod tests {
 
     #[test]
     fn central_training_reaches_high_accuracy() {
-        let (train, test) = load(7, 0.2);
+        let (train, test) = load(7, 0.2).unwrap();
         assert_eq!(train.len() + test.len(), 1797);
         let mut m = Model::default();
         m.train(&train, 10, 16, 0.5, &mut Rng::new(1), || false)
@@ -360,7 +358,7 @@ mod tests {
 
     #[test]
     fn shares_partition_the_data() {
-        let (train, _) = load(7, 0.2);
+        let (train, _) = load(7, 0.2).unwrap();
         let parts: usize = (0..3)
             .map(|i| client_share(&train, i, 3, Partition::Iid).len())
             .sum();

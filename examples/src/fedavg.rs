@@ -98,7 +98,8 @@ pub struct DigitsTrainer {
 impl DigitsTrainer {
     /// Loads the data set once per rank.
     pub fn new(args: TrainerArgs) -> Result<Self, ComponentError> {
-        let (train, test) = digits::load(args.seed, args.test_fraction);
+        let (train, test) = digits::load(args.seed, args.test_fraction)
+            .map_err(|e| ComponentError::failed("cannot load the digits data").with_source(e))?;
         Ok(DigitsTrainer { args, train, test })
     }
 }

@@ -227,7 +227,8 @@ impl MpiDigitsTrainer {
         if !(args.lr.is_finite() && args.lr > 0.0) {
             return Err(ComponentError::failed("lr must be a positive number"));
         }
-        let (train, test) = digits::load(args.seed, args.test_fraction);
+        let (train, test) = digits::load(args.seed, args.test_fraction)
+            .map_err(|e| ComponentError::failed("cannot load the digits data").with_source(e))?;
         Ok(MpiDigitsTrainer {
             args,
             train: Arc::new(train),

@@ -91,7 +91,8 @@ fn print_summary(s: &Summary) {
 }
 
 pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
-    let job = match rankexec::job::load(&a.job, &rankexec::worker_registry()) {
+    let registry = super::worker_registry();
+    let job = match rankexec::job::load(&a.job, &registry) {
         Ok(j) => j,
         Err(e) => {
             eprintln!("error: invalid job {}: {e}", a.job.display());
@@ -135,7 +136,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    let summary = sim::simulate(&job, &opts, &progress, &abort, &interrupts)?;
+    let summary = sim::simulate(&job, &registry, &opts, &progress, &abort, &interrupts)?;
     print_summary(&summary);
     println!(
         "summary: {}",

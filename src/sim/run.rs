@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use rankexec_protocol::Signal;
+use rankexec_protocol::{Registry, Signal};
 use serde::Serialize;
 use tracing::{error, info};
 
@@ -164,9 +164,11 @@ pub fn prepare_workspace(ws: &Path) -> Result<(), SimError> {
     std::fs::remove_file(&probe).map_err(err(&probe))
 }
 
-/// Runs the job. `abort` is the job abort (Ctrl-C). Logging must be installed first.
+/// Runs the job. `registry` holds the components the clients may host in process;
+/// `abort` is the job abort (Ctrl-C). Logging must be installed first.
 pub fn simulate(
     job: &Job,
+    registry: &Registry,
     opts: &SimOptions,
     progress: &Arc<Progress>,
     abort: &Signal,
@@ -180,13 +182,12 @@ pub fn simulate(
             min: job.workflow.min_clients,
         });
     }
-    let registry = crate::worker_registry();
     let gate = GroupGate::new(opts.max_groups.filter(|m| (*m as u32) < n));
     let wake = gate.clone();
     let _wake = abort.on_trigger(move || wake.wake_all());
     let mut clients: Vec<Arc<SimClient>> = Vec::new();
     for i in 0..n as usize {
-        let rt = ClientRuntime::build(job, i, n as usize, &opts.workspace, &registry)?;
+        let rt = ClientRuntime::build(job, i, n as usize, &opts.workspace, registry)?;
         clients.push(Arc::new(SimClient::new(rt, gate.clone())));
     }
     let names: Vec<String> = clients.iter().map(|c| c.name().to_owned()).collect();
