@@ -73,19 +73,31 @@ fn failed_accepts_back_off_and_recover() {
     )
     .unwrap();
     rustix::net::connect(&client, &addr).unwrap();
-    // About a second of failing accepts.
-    std::thread::sleep(Duration::from_secs(1));
-    let failures = log.text().matches("accept failed").count();
+    // Three failed accepts: the connection stays queued and the acceptor retries.
+    let provoked = log_count_reaches(&log, "accept failed", 3, Duration::from_secs(20));
     setrlimit(Resource::Nofile, saved).unwrap();
-
     assert!(
-        failures >= 1,
-        "accept never failed: the test did not provoke EMFILE"
+        provoked,
+        "accept did not fail three times: the test did not provoke EMFILE"
     );
-    assert!(
-        failures <= 30,
-        "{failures} failed accepts in about a second: the acceptor is spinning"
-    );
+    // Each retry came after a pause (the acceptor waits 100 ms): the gaps between the
+    // failures' log timestamps. A slow machine only makes them longer.
+    let times: Vec<f64> = log
+        .text()
+        .lines()
+        .filter(|l| l.contains("accept failed"))
+        .take(3)
+        .map(|l| seconds_of_day(l).unwrap_or_else(|| panic!("no timestamp in {l:?}")))
+        .collect();
+    for pair in times.windows(2) {
+        let gap = (pair[1] - pair[0]).rem_euclid(86_400.0);
+        println!("failed accepts {:.1} ms apart", gap * 1e3);
+        assert!(
+            gap >= 0.05,
+            "failed accepts {:.1} ms apart: the acceptor is spinning",
+            gap * 1e3
+        );
+    }
     // With descriptors back, the queued connection is accepted and challenged.
     assert!(
         wait_readable(&client, Duration::from_secs(10)),
@@ -110,4 +122,27 @@ fn wait_readable(fd: &rustix::fd::OwnedFd, within: Duration) -> bool {
         tv_nsec: 0,
     };
     poll(&mut fds, Some(&ts)).is_ok_and(|n| n > 0)
+}
+
+/// Waits until `needle` occurs `n` times in the log; false after `within`.
+fn log_count_reaches(log: &LogCapture, needle: &str, n: usize, within: Duration) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < within {
+        if log.text().matches(needle).count() >= n {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+/// The time of day of a log line (`2026-01-02T03:04:05.678901Z ...`), in seconds.
+fn seconds_of_day(line: &str) -> Option<f64> {
+    let stamp = line.split_whitespace().next()?;
+    let time = stamp.split_once('T')?.1.trim_end_matches('Z');
+    let mut parts = time.split(':');
+    let h: f64 = parts.next()?.parse().ok()?;
+    let m: f64 = parts.next()?.parse().ok()?;
+    let s: f64 = parts.next()?.parse().ok()?;
+    Some(h * 3600.0 + m * 60.0 + s)
 }

@@ -1,7 +1,7 @@
 //! A dead rank's failure report carries its last stderr lines, and waiting for them
 //! never stalls the executor: when a child the rank left behind (a DataLoader worker,
 //! here a `sleep`) keeps the rank's stderr open, the failure is reported at the short
-//! tail deadline with the lines that did arrive.
+//! tail deadline with the lines that did arrive; and the child goes with the group.
 
 mod common;
 
@@ -30,27 +30,6 @@ fn failed_start(exec: &MultiProcessExecutor) -> rankexec::executor::RankFailure 
     }
 }
 
-/// Kills what is left of a process group (the `sleep` a rank left behind).
-fn kill_group_members(pgid: u32, marker: &str) {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let in_group = nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(pid)))
-            .is_ok_and(|g| g.as_raw() as u32 == pgid);
-        if in_group && String::from_utf8_lossy(&cmdline).contains(marker) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-}
-
 #[test]
 fn a_dead_ranks_last_stderr_lines_are_in_its_failure() {
     let logs = tempfile::tempdir().unwrap();
@@ -73,16 +52,32 @@ fn a_dead_ranks_last_stderr_lines_are_in_its_failure() {
 #[test]
 fn a_child_holding_a_dead_ranks_stderr_does_not_stall_the_report() {
     let logs = tempfile::tempdir().unwrap();
-    let marker = "600.25";
+    let child_file = logs.path().join("child");
     let exec = shell_rank(
-        &format!("echo 'last words, child left behind' >&2; sleep {marker} & exit 7"),
+        &format!(
+            "echo 'last words, child left behind' >&2; sleep 600.25 & echo $! > {f}.tmp && \
+             mv {f}.tmp {f}; exit 7",
+            f = child_file.display()
+        ),
         logs.path(),
     );
     let t = Instant::now();
     let f = failed_start(&exec);
     let took = t.elapsed();
-    let pid = f.pid.expect("the rank's pid");
-    kill_group_members(pid, marker);
+    // The rank left its child in its process group; teardown sent that group SIGKILL
+    // before it reaped the rank, so the child is gone (the test kills nothing itself).
+    let child: u32 = std::fs::read_to_string(&child_file)
+        .expect("the rank wrote its child's pid before it exited")
+        .trim()
+        .parse()
+        .unwrap();
+    if let Err(alive) = wait_gone(&[child], DIE_TIME) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        panic!("the dead rank's child {alive:?} escaped teardown");
+    }
     assert!(
         matches!(f.cause, FailureCause::Exited(ExitStatus::Code(7))),
         "{f:?}"

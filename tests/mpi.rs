@@ -82,6 +82,29 @@ fn launcher_and_ranks(exec: &MultiProcessExecutor) -> (u32, Vec<u32>) {
     (launcher[0], ranks.into_iter().map(|(_, p)| p).collect())
 }
 
+/// The host's log, installed once for the whole binary.
+fn host_log() -> &'static LogCapture {
+    static LOG: std::sync::OnceLock<LogCapture> = std::sync::OnceLock::new();
+    LOG.get_or_init(LogCapture::install)
+}
+
+/// Runs `then` once the dispatcher has sent one more task to the ranks than the log
+/// showed before (`sent_before` "task sent" lines), from a thread; the thread returns
+/// when it ran `then`. Panics (failing the test) if no task is sent within 60 s.
+fn once_task_sent<T: Send + 'static>(
+    sent_before: usize,
+    then: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while host_log().text().matches("task sent").count() <= sent_before {
+            assert!(Instant::now() < deadline, "the task was never sent");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        then()
+    })
+}
+
 fn meta_f64(s: &Shareable, key: &str) -> f64 {
     s.meta(key)
         .and_then(Value::as_f64)
@@ -97,6 +120,7 @@ fn meta_i64(s: &Shareable, key: &str) -> i64 {
 #[test]
 fn mpirun_trains_to_the_stated_accuracy_and_tears_down() {
     let _serial = serial();
+    host_log();
     let logs = tempfile::tempdir().unwrap();
     let exec = MultiProcessExecutor::new(mpi_config(logs.path(), None)).unwrap();
     let t = Instant::now();
@@ -177,6 +201,7 @@ fn mpirun_trains_to_the_stated_accuracy_and_tears_down() {
 #[test]
 fn rank_killed_under_mpirun_is_detected() {
     let _serial = serial();
+    host_log();
     let logs = tempfile::tempdir().unwrap();
     // Long enough that the kill lands mid-task.
     let exec = MultiProcessExecutor::new(mpi_config(
@@ -187,8 +212,9 @@ fn rank_killed_under_mpirun_is_detected() {
     let mut ctx = start(&exec);
     let (launcher, ranks) = launcher_and_ranks(&exec);
     let victim = ranks[1];
-    let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(500));
+    // The kill lands mid-task: once the task was sent (100 000 epochs take minutes).
+    let sent = host_log().text().matches("task sent").count();
+    let killer = once_task_sent(sent, move || {
         kill(Pid::from_raw(victim as i32), Sig::SIGKILL).unwrap();
         Instant::now()
     });
@@ -217,6 +243,7 @@ fn rank_killed_under_mpirun_is_detected() {
 #[test]
 fn abort_stops_every_rank_at_the_same_step() {
     let _serial = serial();
+    host_log();
     let logs = tempfile::tempdir().unwrap();
     let exec = MultiProcessExecutor::new(mpi_config(
         logs.path(),
@@ -225,7 +252,14 @@ fn abort_stops_every_rank_at_the_same_step() {
     .unwrap();
     let mut ctx = start(&exec);
     let before = launcher_and_ranks(&exec);
-    let (abort, aborter) = abort_after(Duration::from_millis(500), "stop");
+    // The abort lands mid-task: once the task was sent.
+    let abort = Signal::new();
+    let sent = host_log().text().matches("task sent").count();
+    let trigger = abort.clone();
+    let aborter = once_task_sent(sent, move || {
+        trigger.trigger("stop");
+        Instant::now()
+    });
     let err = exec
         .run_task("train", Shareable::new(), &mut ctx, &abort)
         .unwrap_err();

@@ -54,36 +54,76 @@ fn rank_pids(ws: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// The simulator, with its own XDG_RUNTIME_DIR so its run directories are visible.
-fn spawn(job: &Path, ws: &Path, xdg: &Path) -> std::process::Child {
+/// The simulator, with its own XDG_RUNTIME_DIR so its run directories are visible;
+/// its stderr goes to `stderr` (where it says it was interrupted).
+fn spawn(job: &Path, ws: &Path, xdg: &Path, stderr: &Path) -> std::process::Child {
     Command::new(rankexec_bin())
         .env("XDG_RUNTIME_DIR", xdg)
         .args(["simulate", "--no-progress", "-w"])
         .arg(ws)
         .arg(job)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(stderr).unwrap())
         .spawn()
         .unwrap()
 }
 
-/// Waits until the 4 ranks run; kills the simulator if they never do.
+/// How many ranks under `dir` have logged that their task began (`Sleep` says
+/// "sleeping" in its rank's `stderr.log`).
+fn sleeping_ranks(dir: &Path) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| {
+            let p = e.path();
+            if p.is_dir() {
+                sleeping_ranks(&p)
+            } else {
+                let in_rank_dir = p
+                    .parent()
+                    .and_then(Path::file_name)
+                    .is_some_and(|n| n.to_string_lossy().starts_with("rank-"));
+                let sleeping = p.file_name().is_some_and(|n| n == "stderr.log")
+                    && std::fs::read_to_string(&p).is_ok_and(|t| t.contains("sleeping"));
+                usize::from(in_rank_dir && sleeping)
+            }
+        })
+        .sum()
+}
+
+/// Waits until the 4 ranks run and have begun their task; kills the simulator if
+/// they never do.
 fn wait_for_ranks(child: &mut std::process::Child, ws: &Path) -> Vec<u32> {
     let start = Instant::now();
     loop {
         let pids = rank_pids(ws);
-        if pids.len() == 4 {
-            // Give the groups a moment to reach their task.
-            std::thread::sleep(Duration::from_millis(300));
+        if pids.len() == 4 && sleeping_ranks(ws) == 4 {
             return pids;
         }
         if start.elapsed() > Duration::from_secs(30) {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("ranks never started");
+            panic!(
+                "ranks never began their task ({} running, {} sleeping)",
+                pids.len(),
+                sleeping_ranks(ws)
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Waits until the file holds `needle`; false after `within`.
+fn wait_file_contains(path: &Path, needle: &str, within: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if std::fs::read_to_string(path).is_ok_and(|t| t.contains(needle)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
 }
 
 #[test]
@@ -92,7 +132,8 @@ fn first_ctrl_c_aborts_cleanly() {
     job_with(job.path(), r#"{"secs": 600}"#, "2s");
     let ws = tempfile::tempdir().unwrap();
     let xdg = tempfile::tempdir().unwrap();
-    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path()));
+    let err = xdg.path().join("stderr.txt");
+    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path(), &err));
     let pids = wait_for_ranks(&mut child.0, ws.path());
     kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
     let status = wait_exit(&mut child.0, Duration::from_secs(60));
@@ -125,7 +166,8 @@ fn second_ctrl_c_kills_at_once() {
     );
     let ws = tempfile::tempdir().unwrap();
     let xdg = tempfile::tempdir().unwrap();
-    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path()));
+    let err = xdg.path().join("stderr.txt");
+    let mut child = Reaper(spawn(job.path(), ws.path(), xdg.path(), &err));
     let pids = wait_for_ranks(&mut child.0, ws.path());
     assert_eq!(
         entries(&xdg.path().join("rankexec")).len(),
@@ -133,7 +175,12 @@ fn second_ctrl_c_kills_at_once() {
         "two groups' run dirs"
     );
     kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // The first signal must be handled as the first (two pending SIGINTs would merge
+    // into one): its handler says so before the second is sent.
+    assert!(
+        wait_file_contains(&err, "interrupted: aborting", Duration::from_secs(20)),
+        "the first Ctrl-C was never handled"
+    );
     let t = Instant::now();
     kill(Pid::from_raw(child.0.id() as i32), Sig::SIGINT).unwrap();
     let gone = wait_gone(&pids, Duration::from_secs(1));

@@ -160,6 +160,11 @@ impl Dispatcher {
         for l in &mut g.links {
             l.shutdown();
         }
+        // What dead ranks left in their groups goes before their leaders are reaped.
+        let released = g.table.release();
+        if !released.is_empty() {
+            info!(targets = ?released, "sent SIGKILL to what dead ranks left behind");
+        }
         let (started, escalated, after) = match std::mem::replace(&mut g.phase, Phase::Ready) {
             Phase::Stopping {
                 started,

@@ -222,9 +222,11 @@ pub(crate) fn launch(
                 let mut own_group = false;
                 let mut child = match cmd.spawn() {
                     Ok(c) => c,
-                    // EPERM: the group is empty because rank 0 already exited. That exit
-                    // is the failure to report (the watcher has it); this rank leads a
-                    // group of its own so it can still be signalled and reaped.
+                    // EPERM: the group is gone. Rank 0 is held unreaped once it exits
+                    // (its zombie keeps the group), so only a rank 0 reaped behind our
+                    // back gets here. Its exit is the failure to report (the watcher
+                    // has it); this rank leads a group of its own so it can still be
+                    // signalled and reaped.
                     Err(e) if rank > 0 && e.raw_os_error() == Some(libc_eperm()) => {
                         own_group = true;
                         cmd.process_group(0)

@@ -6,6 +6,6 @@ mod imp;
 
 pub use imp::{ExitStatus, OomCounter, TermSignal, signal_name};
 pub(crate) use imp::{
-    Waker, exited, is_stopped, oom_kills, own_pid, pgid_of, pidfd_open, poll_readable, reap,
-    sigchld_discards_children, signal_group, signal_pidfd,
+    Waker, exited, is_stopped, oom_kills, own_pid, peek_exit, pgid_of, pidfd_open, poll_readable,
+    reap, sigchld_discards_children, signal_group, signal_pidfd,
 };

@@ -4,7 +4,9 @@
 //!   a descriptor that becomes readable when its process exits. One thread polls every
 //!   rank's pidfd, so exits are seen at once without polling on a timer, and a pidfd
 //!   always names the process it was opened for, even after its pid is reused.
-//! - **reaping** with `waitid(P_PIDFD, WEXITED | WNOHANG)`: only for our own children.
+//! - **reaping** with `waitid(P_PIDFD, WEXITED | WNOHANG)`: only for our own children;
+//!   with `WNOWAIT` to read an exit status while keeping the zombie (see
+//!   [`peek_exit`]).
 //! - **signals** to a process through its pidfd (race-free) and to a process group with
 //!   `killpg` ([killpg(3)](https://man7.org/linux/man-pages/man3/killpg.3.html)).
 //! - **an eventfd** to wake a thread blocked in `poll`.
@@ -115,9 +117,21 @@ pub(crate) fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
 
 /// Reaps our exited child without blocking; `Ok(None)` if it is still running.
 pub(crate) fn reap(pidfd: &OwnedFd) -> io::Result<Option<ExitStatus>> {
+    wait_pidfd(pidfd, WaitIdOptions::empty())
+}
+
+/// Reads our exited child's status without reaping it (`WNOWAIT`): it stays a zombie,
+/// so its pid, and the id of the process group it leads, cannot be reused while we
+/// hold it. `Ok(None)` if it is still running; an error (`ECHILD`) once it has been
+/// reaped, by us or by anyone else in this process.
+pub(crate) fn peek_exit(pidfd: &OwnedFd) -> io::Result<Option<ExitStatus>> {
+    wait_pidfd(pidfd, WaitIdOptions::NOWAIT)
+}
+
+fn wait_pidfd(pidfd: &OwnedFd, extra: WaitIdOptions) -> io::Result<Option<ExitStatus>> {
     let status = rustix::process::waitid(
         WaitId::PidFd(pidfd.as_fd()),
-        WaitIdOptions::EXITED | WaitIdOptions::NOHANG,
+        WaitIdOptions::EXITED | WaitIdOptions::NOHANG | extra,
     )?;
     Ok(status.and_then(|s| {
         if let Some(code) = s.exit_status() {
@@ -369,6 +383,40 @@ mod tests {
         poll_readable(&[fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
         reap(&fd).unwrap();
         assert!(!is_stopped(child.id()), "a reaped process is not stopped");
+    }
+
+    #[test]
+    #[expect(
+        clippy::zombie_processes,
+        reason = "reaped through the pidfd, not Child::wait"
+    )]
+    fn a_peeked_leader_keeps_its_group_until_reaped() {
+        // The leader exits at once and leaves a member behind in its group.
+        let child = Command::new("sh")
+            .args(["-c", "sleep 30 >/dev/null & echo $!"])
+            .stdout(std::process::Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let leader = child.id();
+        let mut out = String::new();
+        // The member's output goes elsewhere, so the pipe ends with the leader.
+        std::io::Read::read_to_string(&mut child.stdout.unwrap(), &mut out).unwrap();
+        let member: u32 = out.trim().parse().unwrap();
+        let fd = pidfd_open(leader).unwrap();
+        poll_readable(&[fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
+        // Peeking twice reads the same status and reaps nothing.
+        assert_eq!(peek_exit(&fd).unwrap(), Some(ExitStatus::Code(0)));
+        assert_eq!(peek_exit(&fd).unwrap(), Some(ExitStatus::Code(0)));
+        assert_eq!(pgid_of(member).unwrap(), leader);
+        // The zombie leader pins the group id: the member is signalled through it.
+        let member_fd = pidfd_open(member).unwrap();
+        signal_group(leader, TermSignal::Kill).unwrap();
+        let ready = poll_readable(&[member_fd.as_fd()], Some(Duration::from_secs(10))).unwrap();
+        assert!(ready[0], "the member outlived SIGKILL to its group");
+        assert_eq!(reap(&fd).unwrap(), Some(ExitStatus::Code(0)));
+        // Reaped: a peek now fails, which is how a reaped leader is told apart.
+        assert!(peek_exit(&fd).is_err());
     }
 
     #[test]
