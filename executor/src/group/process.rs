@@ -10,7 +10,7 @@
 //! group of its own, an external launcher) is **not reaped when it exits**: its status
 //! is read with `WNOWAIT` and it stays a zombie, which pins the group id. Whatever it
 //! left behind in its group (a DataLoader worker, a `sleep &`) can then still be
-//! signalled through the group by every teardown stage, and [`ProcessTable::release`]
+//! signalled through the group by every teardown stage, and `ProcessTable::release`
 //! sends the group a last `SIGKILL` before it finally reaps the leader. Before a dead
 //! leader's group is signalled, the leader is checked to be still unreaped (someone
 //! else in the host, say a stray `waitpid(-1)`, may have reaped it); if it is not, its
