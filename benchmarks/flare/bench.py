@@ -47,9 +47,7 @@ def make_rx_job(peer, job_dir, n, plan, no_decomposers=False):
     custom = os.path.join(app, "custom")
     os.makedirs(os.path.join(app, "config"), exist_ok=True)
     os.makedirs(custom, exist_ok=True)
-    shutil.copy(
-        os.path.join(peer.HARNESS, "nvfbench_mpe.py"), custom
-    )  # BenchController
+    shutil.copy(os.path.join(peer.HARNESS, "nvfbench_mpe.py"), custom)  # BenchController
     for f in ("rx_bench.py", "rx_echo_rank.py"):
         shutil.copy(os.path.join(HERE, f), custom)
     meta = {
@@ -60,9 +58,7 @@ def make_rx_job(peer, job_dir, n, plan, no_decomposers=False):
     }
     server = {
         "format_version": 2,
-        "workflows": [
-            {"id": "nvfbench_ctl", "path": "nvfbench_mpe.BenchController", "args": {}}
-        ],
+        "workflows": [{"id": "nvfbench_ctl", "path": "nvfbench_mpe.BenchController", "args": {}}],
         "components": [],
     }
     cap = int(plan.get("cap_s", 60))
@@ -99,9 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(add_help=False)
     default_peer = os.environ.get("RANKEXEC_PEER_NVFLARE", "../shared/peers/nvflare")
     ap.add_argument("--peer", default=default_peer, help="the peer harness's directory")
-    ap.add_argument(
-        "--impl", default="nvflare,rankexec", help="comma list: nvflare,rankexec"
-    )
+    ap.add_argument("--impl", default="nvflare,rankexec", help="comma list: nvflare,rankexec")
     ours, rest = ap.parse_known_args()
     peer = load_peer(os.path.abspath(ours.peer))
     original_make_job = peer.make_job

@@ -68,9 +68,7 @@ def _wait_gone(pids: dict, t0: float, cap_s: float) -> dict:
 
 
 class RxBenchExecutor(MultiProcessExecutor):
-    def __init__(
-        self, num_of_processes: int = 1, plan: dict | None = None, **kw
-    ) -> None:
+    def __init__(self, num_of_processes: int = 1, plan: dict | None = None, **kw) -> None:
         super().__init__(num_of_processes=num_of_processes, **kw)
         self.plan = plan or {}
         self.cap_s = float(self.plan.get("cap_s", 60.0))
@@ -94,8 +92,7 @@ class RxBenchExecutor(MultiProcessExecutor):
                 {
                     "metric": "startup",
                     "n": self._n,
-                    "ready": self._group is not None
-                    and len(self._rank_pids()) == self._n,
+                    "ready": self._group is not None and len(self._rank_pids()) == self._n,
                     "start_run_to_ready_s": t1 - t0,
                     "ranks_spawned_s": None,
                     "all_ranks_reachable_s": None,
@@ -125,14 +122,8 @@ class RxBenchExecutor(MultiProcessExecutor):
     # ---- one task through the adapter ----------------------------------------------
 
     @staticmethod
-    def _task(
-        size: int = 0, mode: str = "echo", **steer
-    ) -> tuple[Shareable, np.ndarray]:
-        payload = (
-            np.frombuffer(os.urandom(size), dtype=np.uint8)
-            if size
-            else np.zeros(0, np.uint8)
-        )
+    def _task(size: int = 0, mode: str = "echo", **steer) -> tuple[Shareable, np.ndarray]:
+        payload = np.frombuffer(os.urandom(size), dtype=np.uint8) if size else np.zeros(0, np.uint8)
         dxo = DXO(
             data_kind=DataKind.WEIGHTS,
             data={"payload": payload},
@@ -140,9 +131,7 @@ class RxBenchExecutor(MultiProcessExecutor):
         )
         return dxo.to_shareable(), payload
 
-    def _timed(
-        self, s: Shareable, fl_ctx: FLContext, abort: Signal | None = None, after=None
-    ):
+    def _timed(self, s: Shareable, fl_ctx: FLContext, abort: Signal | None = None, after=None):
         abort = abort or Signal()
         timer = None
         if after is not None:
@@ -194,15 +183,9 @@ class RxBenchExecutor(MultiProcessExecutor):
                     out = from_shareable(r["result"])
                     if mode == "echo":
                         back = out.data.get("payload")
-                        correct = (
-                            correct
-                            and back is not None
-                            and np.array_equal(back, payload)
-                        )
+                        correct = correct and back is not None and np.array_equal(back, payload)
                     else:
-                        correct = correct and out.data.get("adler32") == zlib.adler32(
-                            payload
-                        )
+                        correct = correct and out.data.get("adler32") == zlib.adler32(payload)
                     if i >= warmup:
                         elapsed.append(r["elapsed_s"])
                     del s, payload, out, r
@@ -273,9 +256,7 @@ class RxBenchExecutor(MultiProcessExecutor):
             "execute_status": r["status"],
             "execute_elapsed_s": r["elapsed_s"],
             "result_rc": r["rc"],
-            "ranks_alive_after": {
-                str(k): _alive(p) for k, p in self._rank_pids().items()
-            },
+            "ranks_alive_after": {str(k): _alive(p) for k, p in self._rank_pids().items()},
             "errors_logged_in_parent": self._errors[n_err:][:2],
         }
         r2 = self._timed(self._task(1024)[0], fl_ctx)

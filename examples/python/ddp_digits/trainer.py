@@ -59,15 +59,9 @@ class DigitsDDP:
         self.lr = lr
         self.batch_size = batch_size
         self.seed = seed
-        (self.x_train, self.y_train), (self.x_test, self.y_test) = _split(
-            seed, test_fraction
-        )
-        torch.manual_seed(
-            seed
-        )  # every rank and every client starts from the same model
-        self.model = nn.Sequential(
-            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-        )
+        (self.x_train, self.y_train), (self.x_test, self.y_test) = _split(seed, test_fraction)
+        torch.manual_seed(seed)  # every rank and every client starts from the same model
+        self.model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
         self.ddp: DDP | None = None
         self.device = torch.device("cpu")
 
@@ -111,9 +105,7 @@ class DigitsDDP:
                 meta={"accuracy": val_acc, "loss": val_loss, "num_samples": len(xt)}
             )
         if task != "train":
-            raise ValueError(
-                f"unknown task {task!r} (DigitsDDP runs train and validate)"
-            )
+            raise ValueError(f"unknown task {task!r} (DigitsDDP runs train and validate)")
         # The client's shard, then this rank's equal part of it (DDP needs every rank to
         # take the same number of steps).
         xc, yc = self.x_train[site::sites], self.y_train[site::sites]
@@ -121,9 +113,7 @@ class DigitsDDP:
         xr = torch.from_numpy(xc[rank::world][:per_rank]).to(self.device)
         yr = torch.from_numpy(yc[rank::world][:per_rank]).to(self.device)
         round_ = int(input.meta.get("round", 0))
-        gen = torch.Generator().manual_seed(
-            self.seed + 1000 * round_ + 10 * site + rank
-        )
+        gen = torch.Generator().manual_seed(self.seed + 1000 * round_ + 10 * site + rank)
         opt = torch.optim.SGD(ddp.parameters(), lr=self.lr, momentum=0.9)
         started = time.monotonic()
         total, steps = 0.0, 0
