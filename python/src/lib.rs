@@ -9,13 +9,15 @@
 //! - [`host`]: the host side. A rank group (`MultiProcessExecutor`) driven from Python,
 //!   used by the NVIDIA FLARE adapter.
 //!
-//! Platform code (memory files for blobs filled from Python) lives behind `os`.
+//! Platform code (memory files for blobs filled from Python) lives behind `os`;
+//! Python objects become contract values in `value`, for both halves.
 
 use pyo3::prelude::*;
 
 pub mod host;
 mod os;
 pub mod rank;
+mod value;
 
 /// The extension module.
 #[pymodule]

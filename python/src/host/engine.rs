@@ -41,7 +41,7 @@ impl Engine for PyEngine {
                 .map_err(|e| remote(e.to_string()))?;
             let ret = ret.bind(py);
             if let Ok(d) = ret.cast::<PyDict>() {
-                let map = convert::to_map(d, "the event callback's result")
+                let map = crate::value::map_from_py(d, "the event callback's result")
                     .map_err(|e| remote(e.to_string()))?;
                 for (k, v) in map {
                     if let Err(c) = ctx.set_prop(k, v, PropFlags::PUBLIC) {

@@ -138,7 +138,7 @@ impl HostGroup {
         abort_reason: String,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let exec = self.exec()?;
-        let meta = convert::to_map(meta, "meta")?;
+        let meta = crate::value::map_from_py(meta, "meta")?;
         let mut buffers: Vec<(String, PyUntypedBuffer)> = Vec::new();
         for (k, v) in blobs.iter() {
             let name: String = k
@@ -224,7 +224,7 @@ impl HostGroup {
         let (r, ctx) = result?;
         let out = r.map_err(|e| errors::execute_error(py, &e))?;
         let (meta, blobs) = out.into_parts();
-        let py_meta = convert::map_to_py(py, &meta)?;
+        let py_meta = crate::value::map_to_py(py, &meta)?;
         let py_blobs = PyDict::new(py);
         for (name, blob) in blobs {
             py_blobs.set_item(PyString::new(py, &name), Py::new(py, HostBlob { blob })?)?;

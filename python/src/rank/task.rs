@@ -16,8 +16,9 @@ use rankexec_protocol::{Blob as RBlob, EventType, FlContext, PropFlags, Shareabl
 use rankexec_sub_worker::embed::Reply;
 
 use super::blob::{Blob, SharedBuffer};
-use super::convert::{error_from_exception, from_py, map_from_py, map_to_py, to_py};
+use super::convert::error_from_exception;
 use super::errors::{EventFailed, PropConflict, ReplyError};
+use crate::value::{from_py, map_from_py, map_to_py, to_py};
 
 /// Blobs at least this large are copied straight into a shared memory file.
 const SHARED_FROM: usize = 64 << 10;
