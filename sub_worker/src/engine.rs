@@ -108,19 +108,15 @@ impl Engine for RankEngine {
             event: event.clone(),
             props: ctx.props().clone(),
         };
-        match self.link.send(&msg) {
-            Ok(()) => {}
-            Err(e @ (SendError::Encode(..) | SendError::TooLarge(..))) => {
-                self.complete(request_id, Err(String::new()));
-                return Err(FireEventError::Send {
+        if let Err(e) = self.link.send(&msg) {
+            self.complete(request_id, Err(String::new()));
+            return Err(match e {
+                SendError::Frame(..) => FireEventError::Disconnected,
+                e => FireEventError::Send {
                     event: event.to_string(),
                     source: Box::new(e),
-                });
-            }
-            Err(SendError::Frame(..)) => {
-                self.complete(request_id, Err(String::new()));
-                return Err(FireEventError::Disconnected);
-            }
+                },
+            });
         }
         match rx.recv_timeout(self.event_timeout) {
             Ok(Ok(props)) => {

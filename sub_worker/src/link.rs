@@ -80,24 +80,11 @@ impl Link {
         task_id: u64,
         outcome: Result<PackedOutput, RankError>,
     ) -> Result<(), SendError> {
-        let (msg, body, fds) = match outcome {
-            Ok((out, body, fds)) => (
-                Message::TaskResult {
-                    task_id,
-                    outcome: Ok(out),
-                },
-                body,
-                fds,
-            ),
-            Err(e) => (
-                Message::TaskResult {
-                    task_id,
-                    outcome: Err(e),
-                },
-                Vec::new(),
-                Vec::new(),
-            ),
+        let (outcome, body, fds) = match outcome {
+            Ok((out, body, fds)) => (Ok(out), body, fds),
+            Err(e) => (Err(e), Vec::new(), Vec::new()),
         };
+        let msg = Message::TaskResult { task_id, outcome };
         let sent = envelope::frame(&msg, body, fds)
             .map_err(|e| SendError::Encode("TaskResult", e))
             .and_then(|f| self.send_frame("TaskResult", &f));

@@ -425,7 +425,9 @@ impl Dispatcher {
             pgid: 0,
         };
         let launched = launch::launch(&plan, &table, &group.watcher);
-        for p in table.snapshot() {
+        // Only this thread adds to the table: one snapshot serves every use below.
+        let procs = table.snapshot();
+        for p in &procs {
             if let Role::Rank(r) = p.role {
                 policy.expect_pid(r, p.pid);
             }
@@ -441,13 +443,13 @@ impl Dispatcher {
             }
         };
         group.pgid = launched.pgid;
-        for p in table.snapshot() {
+        for p in &procs {
             if let Some(c) = os::oom_kills(p.pid) {
                 group.oom_baselines.insert(p.pid, c);
             }
         }
         if let Some(r) = group.reservation.as_ref().and_then(DropThere::get) {
-            let pids: Vec<u32> = table.snapshot().iter().map(|p| p.pid).collect();
+            let pids: Vec<u32> = procs.iter().map(|p| p.pid).collect();
             let r = r.clone();
             self.admit.run(move || r.set_rank_pids(&pids));
         }

@@ -8,7 +8,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, after, never, select};
-use rankexec_protocol::wire::Channel;
 use rankexec_protocol::wire::message::Props;
 
 use crate::admission::Admission;
@@ -174,14 +173,13 @@ impl Dispatcher {
             self.report_exits(now);
             return;
         }
-        let expired: Vec<(u32, Channel)> = g
+        let expired = g
             .closed_pending
             .iter()
-            .filter(|(_, c)| now >= c.deadline)
-            .map(|(r, c)| (*r, c.channel))
-            .collect();
-        if let Some((rank, ch)) = expired.first() {
-            let f = self.failure(*rank, FailureCause::ConnectionClosed(*ch));
+            .find(|(_, c)| now >= c.deadline)
+            .map(|(r, c)| (*r, c.channel));
+        if let Some((rank, ch)) = expired {
+            let f = self.failure(rank, FailureCause::ConnectionClosed(ch));
             self.fail_group(f);
             return;
         }
@@ -197,14 +195,13 @@ impl Dispatcher {
                 return;
             }
         }
-        let late: Vec<u64> = self
+        let late = self
             .events
             .iter()
-            .filter(|(_, e)| now >= e.deadline)
-            .map(|(id, _)| *id)
-            .collect();
-        if let Some(id) = late.first() {
-            self.event_timeout(*id);
+            .find(|(_, e)| now >= e.deadline)
+            .map(|(id, _)| *id);
+        if let Some(id) = late {
+            self.event_timeout(id);
         }
     }
 

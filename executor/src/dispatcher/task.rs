@@ -271,12 +271,6 @@ impl Dispatcher {
                 .unwrap_or(0);
             let (rank, e) = errors.remove(root);
             let oom = e.class == ErrorClass::OutOfMemory;
-            let failure = self.failure(rank, FailureCause::Reported(e));
-            let others: Vec<RankFailure> = errors
-                .into_iter()
-                .filter(|(_, e)| e.class != ErrorClass::Aborted)
-                .map(|(r, e)| self.failure(r, FailureCause::Reported(e)))
-                .collect();
             if oom && self.oom_execute_used < self.cfg.resources.oom_retries.execute {
                 self.oom_execute_used += 1;
                 self.growth *= self.cfg.resources.oom_growth;
@@ -292,6 +286,13 @@ impl Dispatcher {
                 );
                 return;
             }
+            // Built only when reported: each reads the rank's error file.
+            let failure = self.failure(rank, FailureCause::Reported(e));
+            let others: Vec<RankFailure> = errors
+                .into_iter()
+                .filter(|(_, e)| e.class != ErrorClass::Aborted)
+                .map(|(r, e)| self.failure(r, FailureCause::Reported(e)))
+                .collect();
             let _ = t.cmd.reply.send(Err(ExecuteError::RankFailed {
                 failure: Box::new(failure),
                 others,

@@ -147,16 +147,6 @@ impl TcpConn {
             channel: Arc::new(OnceLock::new()),
         }
     }
-
-    /// The socket underneath (its bytes are records once the handshake is done).
-    pub fn stream(&self) -> &TcpStream {
-        &self.stream
-    }
-
-    /// Whether the record layer is on.
-    pub fn is_secure(&self) -> bool {
-        self.channel.get().is_some()
-    }
 }
 
 impl Read for &Conn {

@@ -119,11 +119,8 @@ pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
     drop((input_blobs, output));
 }
 
-pub(super) type Packed = (
-    TaskOutput,
-    Vec<bytes::Bytes>,
-    Vec<Arc<std::os::fd::OwnedFd>>,
-);
+/// A packed task result: what `Link::send_task_result` sends.
+pub(super) use crate::link::PackedOutput as Packed;
 
 pub(super) fn pack_output(
     rank: &Rank,
