@@ -27,8 +27,9 @@ use super::errors;
 use super::staging::Stager;
 use super::wait::run_blocking;
 
-/// How often a blocking call without an abort flag wakes to check for Ctrl-C.
-const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+/// How often a blocking call without an abort flag wakes to check for Ctrl-C: the
+/// rank side's slice.
+use crate::rank::task::SLICE as SIGNAL_SLICE;
 
 /// A rank group driven from Python (wrapped by `rankexec.host.RankGroup`).
 #[pyclass(module = "rankexec._rankexec", name = "_HostGroup")]
@@ -165,10 +166,9 @@ impl HostGroup {
                 let src = unsafe {
                     std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes())
                 };
-                let (blob, _) = stager.blob(src)?;
-                if stager.stages(src.len()) {
-                    sizes.push(src.len());
-                }
+                let blob = stager.blob(src)?;
+                // Sizes too small to stage are dropped by `prepare_in_background`.
+                sizes.push(src.len());
                 out.insert(name.clone(), blob);
             }
             Ok((out, sizes))

@@ -90,11 +90,10 @@ impl Stager {
     }
 
     /// A blob holding a copy of `src`: in a prepared memory file when one of this size is
-    /// ready, else in a fresh one; small blobs are plain copies. Returns the blob and
-    /// whether a prepared file was used.
-    pub(crate) fn blob(&self, src: &[u8]) -> io::Result<(Blob, bool)> {
+    /// ready, else in a fresh one; small blobs are plain copies.
+    pub(crate) fn blob(&self, src: &[u8]) -> io::Result<Blob> {
         if !self.stages(src.len()) {
-            return Ok((Blob::from(src.to_vec()), false));
+            return Ok(Blob::from(src.to_vec()));
         }
         let ready = {
             let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
@@ -104,8 +103,8 @@ impl Stager {
                 .map(|i| spare.swap_remove(i))
         };
         match ready {
-            Some(p) => Ok((p.fill(src)?, true)),
-            None => Ok((Prepared::new(src.len())?.fill(src)?, false)),
+            Some(p) => p.fill(src),
+            None => Prepared::new(src.len())?.fill(src),
         }
     }
 

@@ -64,7 +64,7 @@ impl WritableFile {
 
     /// The file's inode (to prove two mappings share one file).
     pub(crate) fn inode(&self) -> io::Result<u64> {
-        Ok(rustix::fs::fstat(&self.fd)?.st_ino)
+        inode(self.fd.as_fd())
     }
 
     /// Seals the file and returns it as a blob, keeping our mapping valid (now private
