@@ -9,13 +9,6 @@ mod gpus;
 mod run;
 mod simulate;
 
-/// Every component `rankexec worker` serves: the built-ins of `rankexec-worker` plus
-/// the example components. Only the binary composes the examples; the library does
-/// not depend on them (see `Cargo.toml`).
-pub fn worker_registry() -> rankexec::protocol::Registry {
-    rankexec_examples::worker_registry()
-}
-
 /// A multi-process executor for federated learning.
 #[derive(Parser)]
 #[command(name = "rankexec", version, about, long_about = None)]
@@ -50,7 +43,7 @@ impl Cli {
             Command::Gpus(a) => gpus::run(a),
             Command::Bench(a) => bench::run(a),
             Command::Worker { args } => Ok(rankexec::sub_worker::main_with_args(
-                worker_registry(),
+                rankexec_examples::worker_registry(),
                 args,
             )),
         }

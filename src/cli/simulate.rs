@@ -91,7 +91,7 @@ fn print_summary(s: &Summary) {
 }
 
 pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
-    let registry = super::worker_registry();
+    let registry = rankexec_examples::worker_registry();
     let job = match rankexec::job::load(&a.job, &registry) {
         Ok(j) => j,
         Err(e) => {
@@ -138,10 +138,12 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
     }
     let summary = sim::simulate(&job, &registry, &opts, &progress, &abort, &interrupts)?;
     print_summary(&summary);
+    // `metrics_file` is already absolute, in the workspace beside summary.json.
     println!(
         "summary: {}",
-        std::path::absolute(workspace.join("summary.json"))
-            .unwrap_or_else(|_| workspace.join("summary.json"))
+        summary
+            .metrics_file
+            .with_file_name("summary.json")
             .display()
     );
     interrupts.done();

@@ -60,7 +60,11 @@ impl FedClient for SimClient {
         {
             let mut started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
             if started.is_none() {
-                *started = Some(self.runtime.start().map_err(|e| start_failure(&e)));
+                *started = Some(
+                    self.runtime
+                        .start()
+                        .map_err(|e| start_failure(self.name(), &e)),
+                );
             }
             if let Some(Err(e)) = started.as_ref() {
                 return Err(e.clone());
@@ -94,7 +98,7 @@ fn without_site(site: &str, text: &str) -> String {
 /// Caveat: the executor's start-up error reaches the engine as text (the component
 /// contract carries a message), so a rank that exited with code 0 during start-up is
 /// recognised from that text.
-fn start_failure(e: &ClientError) -> (ErrorClass, String) {
+fn start_failure(site: &str, e: &ClientError) -> (ErrorClass, String) {
     if let ClientError::Event { source: fired, .. } = e
         && let FireEventError::Handler {
             component, source, ..
@@ -109,11 +113,5 @@ fn start_failure(e: &ClientError) -> (ErrorClass, String) {
         }
         return (source.class(), text);
     }
-    let site = match e {
-        ClientError::Build { site, .. }
-        | ClientError::NoExecutor { site, .. }
-        | ClientError::Event { site, .. }
-        | ClientError::Task { site, .. } => site.as_str(),
-    };
     (ErrorClass::Exception, without_site(site, &chain(e)))
 }

@@ -88,15 +88,19 @@ where
         }) else {
             return;
         };
-        let mut ts = String::new();
-        let _ = fmt::time::SystemTime.format_time(&mut fmt::format::Writer::new(&mut ts));
+        // Rank lines carry their own timestamp: the clock is read only for the others.
+        let now = || {
+            let mut ts = String::new();
+            let _ = fmt::time::SystemTime.format_time(&mut fmt::format::Writer::new(&mut ts));
+            ts
+        };
         let meta = event.metadata();
         let line = if meta.target() == RANK_TARGET {
             let mut m = Message::default();
             event.record(&mut m);
             let (ts, level, rest) = split_stamped(&m.0)
                 .map(|(t, l, r)| (t.to_owned(), l.to_owned(), r.to_owned()))
-                .unwrap_or((ts, meta.level().to_string(), m.0.clone()));
+                .unwrap_or_else(|| (now(), meta.level().to_string(), m.0.clone()));
             let job_line = format!("{ts} {level:>5} {site}: {rest}\n");
             let _ = self
                 .all
@@ -107,7 +111,13 @@ where
         } else {
             let mut text = Text(String::new());
             event.record(&mut text);
-            format!("{ts} {:>5} {}: {}\n", meta.level(), meta.target(), text.0)
+            format!(
+                "{} {:>5} {}: {}\n",
+                now(),
+                meta.level(),
+                meta.target(),
+                text.0
+            )
         };
         let mut files = self.files.lock().unwrap_or_else(PoisonError::into_inner);
         if !files.contains_key(&site) {
