@@ -215,6 +215,7 @@ pub(crate) fn launch(
                     .stderr(Stdio::piped())
                     .process_group(pgid as i32);
                 apply_env(&mut cmd, plan, plan.per_rank.get(rank as usize));
+                crate::os::reset_signals_on_exec(&mut cmd);
                 // Held until the rank is spawned: the parent's copy of the read end closes
                 // when this drops, so only the rank holds it.
                 let _secret_pipe = secret_pipe(&mut cmd, plan)
@@ -265,6 +266,7 @@ pub(crate) fn launch(
                 .stderr(Stdio::piped())
                 .process_group(0);
             apply_env(&mut cmd, plan, None);
+            crate::os::reset_signals_on_exec(&mut cmd);
             let mut child = cmd
                 .spawn()
                 .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;

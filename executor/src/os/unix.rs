@@ -12,6 +12,10 @@
 //! - **an eventfd** to wake a thread blocked in `poll`.
 //! - **the cgroup `oom_kill` counter**, to tell an OOM-killer death from any other
 //!   `SIGKILL` without parsing logs.
+//! - **a clean signal state for what we spawn**: `exec` keeps ignored signals and the
+//!   blocked mask, so a host started as a script's background job (`cmd &` ignores
+//!   `SIGINT` and `SIGQUIT`) would hand that on to every rank; see
+//!   [`reset_signals_on_exec`].
 
 use std::fmt;
 use std::io;
@@ -195,6 +199,38 @@ pub(crate) fn sigchld_discards_children() -> io::Result<bool> {
     // SAFETY: `sigaction` returned 0, so it filled `old`; it was zeroed before anyway.
     let old = unsafe { old.assume_init() };
     Ok(old.sa_sigaction == libc::SIG_IGN || old.sa_flags & libc::SA_NOCLDWAIT != 0)
+}
+
+/// Makes the process `cmd` spawns start with every signal at its default action and
+/// none blocked, as service managers do. `exec` resets handlers but keeps ignored
+/// signals and the blocked mask: without this, a host started with `&` from a script
+/// (`SIGINT` and `SIGQUIT` ignored) would give every rank an ignored `SIGINT`, and
+/// Python ranks would then install no `KeyboardInterrupt` handler.
+pub(crate) fn reset_signals_on_exec(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt as _;
+    // Realtime signals included; read in the parent (glibc's SIGRTMAX is a function).
+    let last = libc::SIGRTMAX();
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed: it calls `sigaction` and `sigprocmask`
+    // (both on POSIX's list) and `sigemptyset` on its own stack values, allocates
+    // nothing and takes no lock. Errors are ignored on purpose: `SIGKILL`, `SIGSTOP` and
+    // the C library's reserved realtime signals refuse a new action (EINVAL), which
+    // leaves them as they must be. Tested by `tests/signal_reset.rs` (ranks of a host
+    // that ignores SIGINT/SIGQUIT and blocks SIGUSR1 have neither, per /proc).
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            libc::sigemptyset(&mut dfl.sa_mask);
+            for sig in 1..=last {
+                libc::sigaction(sig, &dfl, std::ptr::null_mut());
+            }
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            Ok(())
+        });
+    }
 }
 
 /// Our pid.

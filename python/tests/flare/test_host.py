@@ -180,6 +180,9 @@ def test_abort_from_another_thread(rust_worker):
 
 
 def test_ctrl_c_aborts_the_task_then_raises_keyboard_interrupt(rust_worker):
+    # Ctrl-C raises KeyboardInterrupt however pytest was started: a script's background
+    # job (`pytest &`) ignores SIGINT, and Python then installs no handler of its own.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     g = RankGroup(cfg(rust_worker, "Sleep", args={"secs": 60}))
     try:
         g.start()
@@ -192,6 +195,7 @@ def test_ctrl_c_aborts_the_task_then_raises_keyboard_interrupt(rust_worker):
         assert g.execute("t", {"secs": 0.0}).meta["slept"] == 0.0
     finally:
         g.close()
+        signal.signal(signal.SIGINT, old)
 
 
 def test_close_reports_what_it_tore_down(rust_worker):
