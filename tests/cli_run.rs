@@ -132,6 +132,29 @@ fn a_failed_round_keeps_the_private_rank_logs_and_says_where() {
     assert_eq!(entries(&xdg.path().join("rankexec")), Vec::<String>::new());
 }
 
+#[test]
+fn a_rank_error_is_printed_once() {
+    let (tmp, xdg) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let out = run_cmd(&rankexec_bin(), tmp.path(), xdg.path())
+        .args(["-n", "2", "--component", "Fail", "--args"])
+        .arg(r#"{"ranks": [1], "message": "bad batch on purpose"}"#)
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{all}");
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert!(all.contains("round 0: failed: rank 1 failed"), "{all}");
+    assert_eq!(
+        all.matches("bad batch on purpose").count(),
+        1,
+        "the rank's error once, not repeated by a log line and a report: {all}"
+    );
+}
+
 /// What a child wrote to stderr so far (read on a thread).
 #[derive(Clone, Default)]
 struct Stderr(Arc<Mutex<String>>);

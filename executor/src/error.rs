@@ -87,7 +87,13 @@ impl RankFailure {
 
     /// A multi-line report: the failure, then its stderr tail.
     pub fn report(&self) -> String {
-        let mut s = format!("rank {}: {self}", self.rank);
+        format!("rank {}: {self}{}", self.rank, self.stderr_report())
+    }
+
+    /// The stderr tail as indented lines after a newline (empty when there is none):
+    /// what a report adds to a one-line error that already names the failure.
+    pub fn stderr_report(&self) -> String {
+        let mut s = String::new();
         if !self.stderr_tail.is_empty() {
             s.push_str(&format!(
                 "\n  last {} lines of stderr:",

@@ -22,7 +22,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use clap::Args;
 use rankexec::executor::config::resolve_program;
-use rankexec::executor::{ExecutorConfig, MultiProcessExecutor};
+use rankexec::executor::{ExecutorConfig, FailureCause, MultiProcessExecutor};
 use rankexec::protocol::{
     EventType, FlComponent, FlContext, Shareable, Signal, Value, error_chain,
 };
@@ -233,9 +233,13 @@ fn run_rounds(
             }
             Err(e) => {
                 let mut text = format!("round {round}: failed: {}", error_chain(&e));
-                if let Some(f) = e.root_cause() {
-                    text.push('\n');
-                    text.push_str(&f.report());
+                // The line above names the rank and its error; a crash adds its stderr
+                // tail. An error the rank reported is its own account (its log line of
+                // it, in the tail, would say it again).
+                if let Some(f) = e.root_cause()
+                    && !matches!(f.cause, FailureCause::Reported(_))
+                {
+                    text.push_str(&f.stderr_report());
                 }
                 println!("{text}");
                 failed = true;

@@ -5,7 +5,7 @@ use rankexec_protocol::error_chain as chain;
 use std::time::{Duration, Instant};
 
 use rankexec_protocol::wire::Channel;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::error::{EventError, ExecuteError, FailureCause, RankFailure, StartError};
 use crate::group::output::Source;
@@ -199,11 +199,18 @@ impl Dispatcher {
         if self.stopping() {
             return;
         }
-        warn!("{}", f.report());
         let starting = matches!(
             self.group.as_ref().map(|g| &g.phase),
             Some(Phase::Starting { .. })
         );
+        let busy = self.task.is_some() || !self.events.is_empty();
+        // A caller waiting on the start, a task or an event gets this failure and
+        // reports it; a warning is for a failure nobody waits for (an idle group).
+        if starting || busy {
+            info!("{}", f.report());
+        } else {
+            warn!("{}", f.report());
+        }
         if starting {
             self.fail_start(StartError::RankFailed(Box::new(f)));
             return;
@@ -212,7 +219,6 @@ impl Dispatcher {
             g.failures.push(f.clone());
         }
         self.note_failure();
-        let busy = self.task.is_some() || !self.events.is_empty();
         let after = self.fail_inflight(&f);
         if !busy {
             let err = ExecuteError::RankFailed {
@@ -231,7 +237,11 @@ impl Dispatcher {
             Phase::Starting { waiters, .. } => std::mem::take(waiters),
             _ => Vec::new(),
         };
-        warn!("rank group start-up failed: {}", chain(&err));
+        if waiters.is_empty() {
+            warn!("rank group start-up failed: {}", chain(&err));
+        } else {
+            info!("rank group start-up failed: {}", chain(&err));
+        }
         self.note_failure();
         self.last_failure = Some(ExecuteError::Start(err.clone()));
         self.begin_stop("start-up failed", vec![After::FailWaiters(waiters, err)]);

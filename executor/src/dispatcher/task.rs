@@ -211,13 +211,14 @@ impl Dispatcher {
         }
         let first_error = outcome.is_err() && t.aborting.is_none();
         if let Err(e) = &outcome {
-            // An abort we asked for is expected; anything else is worth a warning.
+            // The error goes back to the caller, who reports it: a warning here would
+            // print a rank's traceback twice on every console.
             if e.class == ErrorClass::Aborted && t.aborting.is_some() {
                 t.span
                     .in_scope(|| info!(rank, "rank stopped: {}", e.message));
             } else {
                 t.span
-                    .in_scope(|| warn!(rank, class = %e.class, "rank reported: {}", e.message));
+                    .in_scope(|| info!(rank, class = %e.class, "rank reported: {}", e.message));
             }
         }
         t.results[rank as usize] = Some(outcome);
