@@ -98,7 +98,9 @@ class DigitsTrainer:
         once per shard (its workers persist across tasks)."""
         if site not in self._loaders:
             x, y = self._train
-            shard = TensorDataset(torch.from_numpy(x[site::sites]), torch.from_numpy(y[site::sites]))
+            shard = TensorDataset(
+                torch.from_numpy(x[site::sites]), torch.from_numpy(y[site::sites])
+            )
             self.sampler = DistributedSampler(shard, self.world, self.rank, seed=self.seed)
             self._loaders[site] = DataLoader(
                 shard,
