@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import rankexec
 import torch
 import torch.distributed as dist
 from rankexec.tensors import from_blobs, to_blobs
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -47,8 +47,25 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+# The repository's copy of the digits (examples/data/README.md); scikit-learn's
+# `load_digits()` is the same data, used where the file is not beside the examples (a
+# FLARE job deploys this file alone).
+_DIGITS = Path(__file__).resolve().parents[2] / "data" / "digits.bin"
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    if _DIGITS.is_file():
+        raw = _DIGITS.read_bytes()
+        n, f = np.frombuffer(raw, "<u4", 2, 8)
+        x = np.frombuffer(raw, np.uint8, n * f, 16).reshape(n, f)
+        return x.astype(np.float64), np.frombuffer(raw, np.uint8, n, 16 + n * f).astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    return load_digits(return_X_y=True)
+
+
 def _digits(seed: int, test_fraction: float):
-    x, y = load_digits(return_X_y=True)
+    x, y = _load_digits()
     x = (x / 16.0).astype(np.float32)
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = int(len(x) * test_fraction)
