@@ -39,6 +39,7 @@ __all__ = [
     "Unsendable",
     "from_blobs",
     "pack_data",
+    "plain",
     "to_blobs",
     "unpack_data",
 ]

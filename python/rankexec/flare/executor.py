@@ -4,7 +4,7 @@ Configure it in ``config_fed_client.json`` in place of FLARE's MultiProcessExecu
 
     {"tasks": ["train"], "executor": {
         "path": "rankexec.flare.MultiProcessExecutor",
-        "args": {"num_of_processes": 2, "rank_component": "ranks/np_delta.py:AddDelta",
+        "args": {"num_of_processes": 2, "rank_component": "custom/np_delta.py:AddDelta",
                  "rank_args": {"delta": 1.0}}}}
 
 The args are FLARE-style keyword arguments, not rankexec's ``components`` list: FLARE
@@ -22,11 +22,23 @@ running); ``_abort_task`` and FLARE's ``abort_signal`` (polled every
 Other events are relayed to the ranks (``relay_events``), and events fired in ranks
 reach FLARE's engine with ``FROM_RANK_PROP`` set to the rank.
 
-Tasks: the DXO's numpy arrays travel as blobs, dtype and shape in the meta (see
-``rankexec.flare.arrays``); the rank's result comes back as a DXO of the same kind with
-``NUM_STEPS_CURRENT_ROUND`` from the ranks' meta. A rank failure returns
-``EXECUTION_EXCEPTION`` with the typed error logged (and in the reply's
-``rankexec_error`` header); an aborted task returns ``TASK_ABORTED``.
+Site policy: a job without custom code (FLARE's BYOC flag in the job's meta) is held
+to ``<site workspace>/local/rankexec.json`` (``rankexec.flare.policy``) at START_RUN,
+before anything is launched: its ``worker``, ``launcher``, ``env`` and
+``rank_component`` must be allowed there; a refusal names the arg and the file and
+ends the run. The default rank program is this Python with ``-P -m rankexec.worker``
+(the current directory is not on the ranks' module path).
+
+Tasks: every numpy array and torch tensor of the DXO travels as a blob (dtype and shape
+in the meta), its other values as meta, a collection's members recursively (see
+``rankexec.flare.arrays``); the result comes back as a DXO of the same kind with
+``NUM_STEPS_CURRENT_ROUND`` from the ranks' meta, tensors as tensors, members as DXOs,
+and the ranks' other meta in the ``rankexec_meta`` header. A value that cannot travel
+either way returns ``EXECUTION_EXCEPTION`` naming its key. ``server_expected_format:
+"pytorch"`` registers FLARE's tensor decomposer (needed to receive tensors, as with
+FLARE's own executors). A rank failure returns ``EXECUTION_EXCEPTION`` with the typed
+error logged (and in the reply's ``rankexec_error`` header); an aborted task returns
+``TASK_ABORTED``.
 """
 
 from __future__ import annotations
