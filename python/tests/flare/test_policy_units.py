@@ -171,3 +171,28 @@ def test_a_rank_group_never_calls_os_system(tmp_path):
     print(f"StartupFailed: {e.value}")
     assert "not a class" in str(e.value)
     assert not marker.exists()
+
+
+def test_a_job_counts_as_byoc_only_when_flare_says_so(tmp_path):
+    """FLARE's flag in the FLContext's job meta; else the deployed meta file; else the
+    job is held to the policy (the safe side)."""
+    from nvflare.apis.fl_constant import FLContextKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.workspace import Workspace
+
+    from rankexec.flare.executor import _job_has_custom_code
+
+    (tmp_path / "startup").mkdir()
+    (tmp_path / "local").mkdir()
+    ws = Workspace(str(tmp_path), site_name="site-1")
+    ctx = FLContext()
+    assert not _job_has_custom_code(ctx, ws, "job1")  # no meta anywhere
+    (tmp_path / "job1").mkdir()
+    (tmp_path / "job1" / "meta.json").write_text(json.dumps({"byoc": True}))
+    assert _job_has_custom_code(ctx, ws, "job1")  # the deployed meta file
+    (tmp_path / "job1" / "meta.json").write_text("{broken")
+    assert not _job_has_custom_code(ctx, ws, "job1")
+    ctx.set_prop(FLContextKey.JOB_META, {"name": "x"}, private=True, sticky=False)
+    assert not _job_has_custom_code(ctx, ws, "job1")
+    ctx.set_prop(FLContextKey.JOB_META, {"byoc": True}, private=True, sticky=False)
+    assert _job_has_custom_code(ctx, None, "")
