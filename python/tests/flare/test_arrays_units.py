@@ -131,3 +131,17 @@ def test_from_blobs_reads_numpy_and_torch_specs():
     out = from_blobs(_bytes(blobs), meta["dxo_arrays"])
     np.testing.assert_array_equal(out["a"], np.eye(2))
     assert out["t"].dtype == torch.float16
+
+
+def test_a_result_whose_blob_does_not_match_its_spec_is_an_error_naming_it():
+    ex = MultiProcessExecutor(rank_component="x:Y")
+    dxo = DXO(DataKind.WEIGHTS, {"w": np.zeros(4, dtype=np.float32)})
+    meta, _ = pack_data(dxo.data, kind=dxo.data_kind)
+    bad = {"w": b"\0" * 7}  # 7 bytes for 4 float32
+    with pytest.raises(Unsendable) as e:
+        ex._reply(meta, bad, meta["dxo_arrays"], dxo)
+    assert e.value.key == "w" and "needs 16" in str(e.value)
+    spec = {"dxo_arrays": {"t": {"dtype": "no_such_dtype", "shape": [1], "framework": "torch"}}}
+    with pytest.raises(Unsendable) as e:
+        ex._reply(spec, {"t": b"\0" * 4}, None, dxo)
+    assert e.value.key == "t" and "unknown torch dtype" in str(e.value)
