@@ -2,6 +2,10 @@
 
 `args` become keyword arguments of the class. A relative `file.py` is resolved against
 the current directory (the executor starts ranks in the host's directory).
+
+Only classes are loaded: a path naming a function or any other callable
+(`os:system`, `subprocess:call`) raises `NotAClass` before anything is called, so a
+component's config names a class and its arguments, never a call with arguments.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ import sys
 from types import ModuleType
 from typing import Any
 
-__all__ = ["build", "check", "resolve"]
+__all__ = ["NotAClass", "build", "check", "resolve"]
+
+
+class NotAClass(TypeError):
+    """A component path names something that is not a class (`path`, `kind`)."""
+
+    def __init__(self, path: str, obj: object) -> None:
+        self.path = path
+        self.kind = type(obj).__name__
+        super().__init__(
+            f"component path {path!r} names a {self.kind}, not a class: a component must be a class"
+        )
 
 
 def _module(spec: str) -> ModuleType:
@@ -54,8 +69,8 @@ def resolve(path: str) -> type:
             obj = getattr(obj, part)
         except AttributeError:
             raise ImportError(f"{module_name} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise TypeError(f"{path} is not a class or callable")
+    if not inspect.isclass(obj):
+        raise NotAClass(path, obj)
     return obj
 
 

@@ -5,11 +5,15 @@ client's ``config_fed_client.json``: one ``path`` changes. ``rankexec.flare.Rank
 is an optional server component that writes the ranks' errors into the server's log.
 
 A site that runs jobs without custom code must allow the classes:
-``python -m rankexec.flare allow-list WORKSPACE`` adds ``"rankexec."`` to
-``WORKSPACE/local/resources.json``'s ``class_allow_list`` (keeping FLARE's defaults).
+``python -m rankexec.flare allow-list WORKSPACE`` adds ``rankexec.flare.MultiProcessExecutor``
+and ``rankexec.flare.RankErrorLogger`` to ``WORKSPACE/local/resources.json``'s
+``class_allow_list`` (keeping FLARE's defaults). What such jobs may then make the
+executor run is the site's policy, ``WORKSPACE/local/rankexec.json``
+(``rankexec.flare.policy``; ``python -m rankexec.flare policy WORKSPACE`` writes one).
 
 The FLARE classes are imported on first use, so rank code that only needs
-``rankexec.flare.arrays`` (``from_blobs``, ``to_blobs``) does not import nvflare.
+``rankexec.flare.arrays`` (``unpack_data``, ``pack_data``, ``from_blobs``, ``to_blobs``)
+does not import nvflare.
 """
 
 from __future__ import annotations
@@ -17,16 +21,28 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rankexec.flare.arrays import ARRAYS_KEY, from_blobs, to_blobs
+from rankexec.flare.arrays import (
+    ARRAYS_KEY,
+    Member,
+    Unsendable,
+    from_blobs,
+    pack_data,
+    to_blobs,
+    unpack_data,
+)
 
 __all__ = [
     "ARRAYS_KEY",
     "ERROR_HEADER",
     "FROM_RANK_PROP",
+    "Member",
     "MultiProcessExecutor",
     "RankErrorLogger",
+    "Unsendable",
     "from_blobs",
+    "pack_data",
     "to_blobs",
+    "unpack_data",
 ]
 
 _LAZY = {

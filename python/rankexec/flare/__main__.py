@@ -1,10 +1,18 @@
-"""``python -m rankexec.flare allow-list WORKSPACE``: lets a FLARE site build rankexec's
-components in jobs that ship no custom code.
+"""A FLARE site's two set-up steps for rankexec.
 
-FLARE 2.9 builds only the classes in ``class_allow_list`` of the site's
-``local/resources.json`` (FLARE's 88 defaults when the key is absent). This adds
-``"rankexec."`` to that list, starting from FLARE's defaults when the file has none,
-and keeps everything else in the file.
+``python -m rankexec.flare allow-list WORKSPACE``: FLARE 2.9 builds, for jobs that ship
+no custom code, only the classes in ``class_allow_list`` of the site's
+``local/resources.json`` (FLARE's 88 defaults when the key is absent). This adds the
+two classes this package documents, ``rankexec.flare.MultiProcessExecutor`` and
+``rankexec.flare.RankErrorLogger`` (not the whole ``rankexec.`` prefix, which an
+earlier version added and this removes), starting from FLARE's defaults when the file
+has none, and keeps everything else in the file.
+
+``python -m rankexec.flare policy WORKSPACE [--component C]... [--worker PROGRAM]...
+[--launcher L]... [--env NAME]... [--byoc-jobs trusted|restricted] [--force]``: writes
+the site's policy, ``WORKSPACE/local/rankexec.json`` (see ``rankexec.flare.policy``):
+what a job without custom code may make the executor run. It refuses to replace an
+existing file without ``--force``.
 """
 
 from __future__ import annotations
@@ -16,11 +24,22 @@ import sys
 
 from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
-PREFIX = "rankexec."
+from rankexec.flare import policy
+
+CLASSES = ("rankexec.flare.MultiProcessExecutor", "rankexec.flare.RankErrorLogger")
+OLD_PREFIX = "rankexec."
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def allow(workspace: str) -> str:
-    """Adds ``rankexec.`` to ``WORKSPACE/local/resources.json``; returns its path."""
+    """Adds rankexec's classes to ``WORKSPACE/local/resources.json``; returns its path."""
     local = os.path.join(workspace, "local")
     os.makedirs(local, exist_ok=True)
     path = os.path.join(local, "resources.json")
@@ -28,25 +47,59 @@ def allow(workspace: str) -> str:
     if os.path.exists(path):
         with open(path) as f:
             resources = json.load(f)
-    allow_list = list(resources.get("class_allow_list", DEFAULT_CLASS_ALLOW_LIST))
-    if PREFIX not in allow_list and "*" not in allow_list:
-        allow_list.append(PREFIX)
+    allow_list = [
+        x for x in resources.get("class_allow_list", DEFAULT_CLASS_ALLOW_LIST) if x != OLD_PREFIX
+    ]
+    if "*" not in allow_list:
+        allow_list.extend(c for c in CLASSES if c not in allow_list)
     resources["class_allow_list"] = allow_list
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(resources, f, indent=2)
-    os.replace(tmp, path)
+    _write_json(path, resources)
+    return path
+
+
+def write_policy(workspace: str, force: bool = False, **keys) -> str:
+    """Writes ``WORKSPACE/local/rankexec.json``; returns its path."""
+    local = os.path.join(workspace, "local")
+    os.makedirs(local, exist_ok=True)
+    path = os.path.join(local, policy.FILE_NAME)
+    if os.path.exists(path) and not force:
+        raise FileExistsError(f"{path} exists (--force replaces it)")
+    _write_json(path, policy.starter(**keys))
+    policy.load(path)  # what was written parses
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rankexec.flare")
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("allow-list", help="add rankexec. to a workspace's class_allow_list")
+    a = sub.add_parser("allow-list", help="add rankexec's classes to class_allow_list")
     a.add_argument("workspace")
+    w = sub.add_parser("policy", help="write the site policy WORKSPACE/local/rankexec.json")
+    w.add_argument("workspace")
+    w.add_argument("--component", action="append", default=[], help="allowed rank component")
+    w.add_argument("--worker", action="append", default=[], help="allowed rank program")
+    w.add_argument("--launcher", action="append", default=[], choices=["builtin", *policy._KINDS])
+    w.add_argument("--env", action="append", default=[], help="variable a job may set")
+    w.add_argument("--byoc-jobs", choices=["trusted", "restricted"], default="trusted")
+    w.add_argument("--force", action="store_true", help="replace an existing file")
     args = p.parse_args(argv)
     if args.cmd == "allow-list":
         print(allow(args.workspace))
+        return 0
+    try:
+        path = write_policy(
+            args.workspace,
+            force=args.force,
+            components=args.component,
+            workers=args.worker,
+            launchers=args.launcher,
+            env=args.env,
+            byoc_jobs=args.byoc_jobs,
+        )
+    except (FileExistsError, policy.PolicyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

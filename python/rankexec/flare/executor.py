@@ -4,7 +4,7 @@ Configure it in ``config_fed_client.json`` in place of FLARE's MultiProcessExecu
 
     {"tasks": ["train"], "executor": {
         "path": "rankexec.flare.MultiProcessExecutor",
-        "args": {"num_of_processes": 2, "rank_component": "ranks/np_delta.py:AddDelta",
+        "args": {"num_of_processes": 2, "rank_component": "custom/np_delta.py:AddDelta",
                  "rank_args": {"delta": 1.0}}}}
 
 The args are FLARE-style keyword arguments, not rankexec's ``components`` list: FLARE
@@ -22,31 +22,56 @@ running); ``_abort_task`` and FLARE's ``abort_signal`` (polled every
 Other events are relayed to the ranks (``relay_events``), and events fired in ranks
 reach FLARE's engine with ``FROM_RANK_PROP`` set to the rank.
 
-Tasks: the DXO's numpy arrays travel as blobs, dtype and shape in the meta (see
-``rankexec.flare.arrays``); the rank's result comes back as a DXO of the same kind with
-``NUM_STEPS_CURRENT_ROUND`` from the ranks' meta. A rank failure returns
-``EXECUTION_EXCEPTION`` with the typed error logged (and in the reply's
-``rankexec_error`` header); an aborted task returns ``TASK_ABORTED``.
+Site policy: a job without custom code (FLARE's BYOC flag in the job's meta) is held
+to ``<site workspace>/local/rankexec.json`` (``rankexec.flare.policy``) at START_RUN,
+before anything is launched: its ``worker``, ``launcher``, ``env`` and
+``rank_component`` must be allowed there; a refusal names the arg and the file and
+ends the run. The default rank program is this Python with ``-P -m rankexec.worker``
+(the current directory is not on the ranks' module path).
+
+Tasks: every numpy array and torch tensor of the DXO travels as a blob (dtype and shape
+in the meta), its other values as meta, a collection's members recursively (see
+``rankexec.flare.arrays``); the result comes back as a DXO of the same kind with
+``NUM_STEPS_CURRENT_ROUND`` from the ranks' meta, tensors as tensors, members as DXOs,
+and the ranks' other meta in the ``rankexec_meta`` header. A value that cannot travel
+either way returns ``EXECUTION_EXCEPTION`` naming its key. ``server_expected_format:
+"pytorch"`` registers FLARE's tensor decomposer (needed to receive tensors, as with
+FLARE's own executors). A rank failure returns ``EXECUTION_EXCEPTION`` with the typed
+error logged (and in the reply's ``rankexec_error`` header); an aborted task returns
+``TASK_ABORTED``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
 import time
 from typing import Any
 
+from nvflare.apis.app_validation import AppValidationKey
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.event_type import EventType
 from nvflare.apis.executor import Executor
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.shareable import ReservedHeaderKey, Shareable, make_reply
 from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
-from rankexec.flare.arrays import ARRAYS_KEY, from_blobs, to_blobs
+from rankexec.flare import policy as site_policy
+from rankexec.flare.arrays import (
+    ARRAYS_KEY,
+    KIND_KEY,
+    MEMBERS_KEY,
+    META_KEY,
+    VALUES_KEY,
+    Unsendable,
+    pack_data,
+    plain,
+    unpack_data,
+)
 from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup
 
 #: Reply header holding the typed error of a failed rank group.
@@ -55,6 +80,12 @@ ERROR_HEADER = "rankexec_error"
 FROM_RANK_PROP = "__rankexec_from_rank__"
 #: FLContext property holding the context properties a rank fired its event with.
 EVENT_PROPS_PROP = "__rankexec_event_props__"
+#: Reply header holding the ranks' result meta that is not part of the DXO.
+RESULT_META_HEADER = "rankexec_meta"
+# Result meta keys that become the reply's DXO (the rest goes to RESULT_META_HEADER).
+_DXO_KEYS = frozenset(
+    {ARRAYS_KEY, VALUES_KEY, MEMBERS_KEY, KIND_KEY, META_KEY, MetaKey.NUM_STEPS_CURRENT_ROUND}
+)
 
 # Events not relayed to the ranks: handled here, or too frequent to be of use there.
 _NOT_RELAYED = frozenset(
@@ -75,26 +106,23 @@ _NOT_RELAYED = frozenset(
 )
 
 
-def _plain(v: Any) -> Any:
-    """``v`` as metadata (None, bool, int, float, str, list, dict), or ``_SKIP``."""
-    if v is None or isinstance(v, bool | int | float | str):
-        return v
-    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-        return v.item()
-    if isinstance(v, list | tuple):
-        items = [_plain(x) for x in v]
-        return _SKIP if any(x is _SKIP for x in items) else items
-    if isinstance(v, dict):
-        out = {}
-        for k, x in v.items():
-            px = _plain(x)
-            if isinstance(k, str) and px is not _SKIP:
-                out[k] = px
-        return out
-    return _SKIP
+def _member(kind: str, data: dict, meta: dict) -> DXO:
+    return DXO(data_kind=kind or DataKind.WEIGHTS, data=data, meta=meta)
 
 
-_SKIP = object()
+def _job_has_custom_code(fl_ctx: FLContext, workspace: Any, job_id: str) -> bool:
+    """FLARE's own BYOC signal: ``"byoc": true`` in the job's meta, which FLARE derives
+    from the submitted apps (an app with a ``custom/`` folder), never from the user's
+    meta. Read from the FLContext, else from the deployed job's meta file; when neither
+    can be read the job counts as one without custom code (the safe side)."""
+    meta = fl_ctx.get_prop(FLContextKey.JOB_META)
+    if not isinstance(meta, dict) and workspace is not None and job_id:
+        try:
+            with open(workspace.get_job_meta_path(job_id)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            meta = None
+    return isinstance(meta, dict) and bool(meta.get(AppValidationKey.BYOC))
 
 
 class MultiProcessExecutor(Executor):
@@ -116,8 +144,20 @@ class MultiProcessExecutor(Executor):
         relay_events: bool | list[str] = True,
         abort_poll_interval: float = 0.005,
         copy_results: bool = False,
+        server_expected_format: str = "numpy",
     ) -> None:
         super().__init__()
+        if server_expected_format not in ("numpy", "pytorch"):
+            raise ValueError(
+                f"server_expected_format must be 'numpy' or 'pytorch', not {server_expected_format!r}"
+            )
+        if server_expected_format == "pytorch":
+            # Tensors on the wire: FLARE decodes them only with this decomposer
+            # registered (its own Client API executors do the same).
+            from nvflare.app_opt.pt.decomposers import TensorDecomposer
+            from nvflare.fuel.utils import fobs
+
+            fobs.register(TensorDecomposer)
         if not isinstance(rank_component, str) or not rank_component:
             raise ValueError("rank_component must name the rank code (`module:Class`)")
         if not isinstance(num_of_processes, int) or num_of_processes < 1:
@@ -155,7 +195,11 @@ class MultiProcessExecutor(Executor):
 
     def group_config(self, run_dir: str, app_root: str | None) -> dict[str, Any]:
         """The rankexec executor configuration this adapter runs."""
-        worker = self._worker or {"program": sys.executable, "args": ["-m", "rankexec.worker"]}
+        # -P: the ranks' module search path does not start with the current directory.
+        worker = self._worker or {
+            "program": sys.executable,
+            "args": ["-P", "-m", "rankexec.worker"],
+        }
         env = dict(self._env or {})
         custom = os.path.join(app_root, "custom") if app_root else None
         if custom and os.path.isdir(custom):
@@ -220,6 +264,12 @@ class MultiProcessExecutor(Executor):
         else:
             run_dir = tempfile.mkdtemp(prefix=f"rankexec-{site}-")
         app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
+        try:
+            self._check_policy(fl_ctx, workspace, job_id)
+        except site_policy.PolicyError as e:
+            self.log_error(fl_ctx, f"rank group refused: {e}")
+            self.system_panic(f"rankexec: rank group refused: {e}", fl_ctx)
+            return
         t0 = time.perf_counter()
         try:
             group = RankGroup(
@@ -241,6 +291,24 @@ class MultiProcessExecutor(Executor):
             f"(pids {group.pids()}; logs in {group.log_dir})",
         )
         self._relay_event(EventType.START_RUN, fl_ctx)
+
+    def _check_policy(self, fl_ctx: FLContext, workspace: Any, job_id: str) -> None:
+        """Holds a job to the site's policy (``<site workspace>/local/rankexec.json``)."""
+        if workspace is not None:
+            path = os.path.join(workspace.get_site_config_dir(), site_policy.FILE_NAME)
+        else:
+            path = f"<no site workspace>/local/{site_policy.FILE_NAME}"
+        policy = site_policy.load(path)
+        byoc = _job_has_custom_code(fl_ctx, workspace, job_id)
+        if not policy.restricts(byoc):
+            self.log_info(fl_ctx, f"job with custom code: not restricted by {path}")
+            return
+        policy.check(
+            rank_component=self._rank_component,
+            worker=self._worker,
+            launcher=self._options["launcher"],
+            env=self._env,
+        )
 
     def _stop(self, fl_ctx: FLContext) -> None:
         group, self._group = self._group, None
@@ -281,24 +349,10 @@ class MultiProcessExecutor(Executor):
             self.log_error(fl_ctx, "the rank group is not running (START_RUN failed)")
             return self._failed("the rank group is not running")
         try:
-            dxo = from_shareable(shareable)
-        except (ValueError, TypeError, KeyError):
-            dxo = None  # not a DXO: only the headers travel
-        meta: dict[str, Any] = {
-            "current_round": _plain(shareable.get_header(AppConstants.CURRENT_ROUND)),
-            "num_rounds": _plain(shareable.get_header(AppConstants.NUM_ROUNDS)),
-        }
-        blobs: dict[str, Any] = {}
-        specs: dict[str, Any] = {}
-        if dxo is not None:
-            blobs, specs, values = to_blobs(dxo.data)
-            meta[ARRAYS_KEY] = specs
-            meta["dxo_kind"] = str(getattr(dxo.data_kind, "value", dxo.data_kind))
-            dxo_meta = _plain(dxo.meta or {})
-            meta["dxo_meta"] = {} if dxo_meta is _SKIP else dxo_meta
-            plain_values = _plain(values)
-            if plain_values:
-                meta["dxo_values"] = plain_values
+            meta, blobs, dxo = self._task_input(shareable)
+        except Unsendable as e:
+            self.log_error(fl_ctx, f"task {task_name}: cannot send to the ranks: {e}")
+            return self._failed(f"task input {e}")
         try:
             result = group.execute(
                 task_name,
@@ -319,22 +373,64 @@ class MultiProcessExecutor(Executor):
             return self._failed(str(e))
         if abort_signal.triggered:
             return make_reply(ReturnCode.TASK_ABORTED)
-        out_meta = result.meta
-        arrays = from_blobs(result.blobs, out_meta.get(ARRAYS_KEY), specs)
-        if self._copy:
-            arrays = {k: a.copy() for k, a in arrays.items()}
-        if dxo is None and not arrays:
+        try:
+            return self._reply(result.meta, result.blobs, meta.get(ARRAYS_KEY), dxo)
+        except (Unsendable, ValueError) as e:
+            self.log_error(fl_ctx, f"task {task_name}: cannot return the ranks' result: {e}")
+            return self._failed(f"task result {e}")
+
+    @staticmethod
+    def _task_input(shareable: Shareable) -> tuple[dict[str, Any], dict[str, Any], DXO | None]:
+        """(meta, blobs, the DXO or None): every array, tensor, value and member of the
+        task's data, or ``Unsendable`` naming the key that cannot travel."""
+        meta: dict[str, Any] = {
+            "current_round": plain(
+                shareable.get_header(AppConstants.CURRENT_ROUND), "header current_round"
+            ),
+            "num_rounds": plain(shareable.get_header(AppConstants.NUM_ROUNDS), "header num_rounds"),
+        }
+        try:
+            dxo = from_shareable(shareable)
+        except (ValueError, TypeError, KeyError):
+            dxo = None
+        if dxo is None:
+            # Not a DXO: its own items travel (usually none; the headers are above).
+            items = {k: v for k, v in shareable.items() if k != ReservedHeaderKey.HEADERS}
+            packed, blobs = pack_data(items, where="shareable")
+            meta.update(packed)
+            return meta, blobs, None
+        if not isinstance(dxo.data, dict):
+            raise Unsendable(
+                "data", f"the {dxo.data_kind} DXO's data is a {type(dxo.data).__name__}, not a dict"
+            )
+        packed, blobs = pack_data(dxo.data, kind=dxo.data_kind, meta=dxo.meta or {})
+        meta.update(packed)
+        return meta, blobs, dxo
+
+    def _reply(
+        self,
+        out_meta: dict[str, Any],
+        out_blobs: dict[str, Any],
+        in_specs: dict[str, Any] | None,
+        dxo: DXO | None,
+    ) -> Shareable:
+        """The ranks' result as FLARE's reply: a DXO of every array, tensor, value and
+        member they returned; their other meta in the ``rankexec_meta`` header."""
+        data = unpack_data(out_meta, out_blobs, in_specs, member=_member, copy=self._copy)
+        extra = {k: v for k, v in out_meta.items() if k not in _DXO_KEYS}
+        if dxo is None and not data:
             reply = make_reply(ReturnCode.OK)
-            reply.set_header("rankexec_meta", out_meta)
+            reply.set_header(RESULT_META_HEADER, extra)
             return reply
-        kind = out_meta.get("dxo_kind") or (dxo.data_kind if dxo is not None else DataKind.WEIGHTS)
-        dxo_meta = dict(out_meta.get("dxo_meta") or {})
+        kind = out_meta.get(KIND_KEY) or (dxo.data_kind if dxo is not None else DataKind.WEIGHTS)
+        dxo_meta = dict(out_meta.get(META_KEY) or {})
         steps = out_meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
         if steps is not None:
             dxo_meta[MetaKey.NUM_STEPS_CURRENT_ROUND] = steps
-        data: dict[str, Any] = dict(out_meta.get("dxo_values") or {})
-        data.update(arrays)
-        return DXO(data_kind=kind, data=data, meta=dxo_meta).to_shareable()
+        reply = DXO(data_kind=kind, data=data, meta=dxo_meta).to_shareable()
+        if extra:
+            reply.set_header(RESULT_META_HEADER, extra)
+        return reply
 
     @staticmethod
     def _failed(error: str) -> Shareable:

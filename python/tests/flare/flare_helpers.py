@@ -121,14 +121,35 @@ def simple_job(root: Path, name: str, executor_args: dict, **server_kw) -> Path:
     return write_job(root, name, {"app": app}, {"app": ["@ALL"]})
 
 
-def allow_rankexec(ws: Path) -> None:
-    """What a site operator does once: `python -m rankexec.flare allow-list WS`."""
+def allow_rankexec(ws: Path, worker: str | None = None, components: tuple[str, ...] = ()) -> None:
+    """What a site operator does once: `python -m rankexec.flare allow-list WS`, and,
+    for jobs without custom code that pick a rank program or component, the site
+    policy: `python -m rankexec.flare policy WS --worker W --component C...`."""
     subprocess.run(
         [sys.executable, "-m", "rankexec.flare", "allow-list", str(ws)],
         check=True,
         capture_output=True,
         timeout=60,
     )
+    if worker or components:
+        site_policy(ws, workers=[worker] if worker else [], components=list(components))
+
+
+def site_policy(ws: Path, **keys: list[str] | str) -> Path:
+    """Writes WS/local/rankexec.json with `python -m rankexec.flare policy`."""
+    argv = [sys.executable, "-m", "rankexec.flare", "policy", str(ws), "--force"]
+    for key, flag in (
+        ("workers", "--worker"),
+        ("components", "--component"),
+        ("launchers", "--launcher"),
+        ("env", "--env"),
+    ):
+        for v in keys.get(key, []):
+            argv += [flag, v]
+    if "byoc_jobs" in keys:
+        argv += ["--byoc-jobs", str(keys["byoc_jobs"])]
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    return ws / "local" / "rankexec.json"
 
 
 class Sim:

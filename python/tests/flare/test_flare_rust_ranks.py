@@ -43,7 +43,7 @@ def test_echo_ranks_return_the_model_unchanged(tmp_path, rust_worker):
         {"num_of_processes": 2, "rank_component": "Echo", "worker": {"program": rust_worker}},
     )
     ws = tmp_path / "ws"
-    allow_rankexec(ws)
+    allow_rankexec(ws, worker=rust_worker, components=("Echo",))
     run_sim(job, ws)
     assert_no_errors(ws)
     np.testing.assert_array_equal(server_model(ws), INITIAL)
@@ -98,7 +98,7 @@ def test_a_raising_rank_is_in_the_client_and_server_logs(tmp_path, rust_worker):
         num_rounds=1,
     )
     ws = tmp_path / "ws"
-    allow_rankexec(ws)
+    allow_rankexec(ws, worker=rust_worker, components=("Fail",))
     run_sim(job, ws, check=False)  # the failed round ends the run: exit code 2
     # With -t 2 one client process runs both sites and logs into one site's files.
     client = "".join((ws / site / "error_log.txt").read_text() for site in ("site-1", "site-2"))
@@ -158,15 +158,15 @@ def test_workflow_end_aborts_a_sleeping_rank_group(tmp_path):
     marks.mkdir()
     slow = {
         "num_of_processes": 2,
-        "rank_component": "ranks/sleepers.py:SleepUntilAborted",
+        "rank_component": "custom/sleepers.py:SleepUntilAborted",
         "rank_args": {"dir": str(marks)},
     }
     fast = {
         "num_of_processes": 2,
-        "rank_component": "ranks/sleepers.py:EchoOnceOthersSleep",
+        "rank_component": "custom/sleepers.py:EchoOnceOthersSleep",
         "rank_args": {"dir": str(marks), "sleepers": 2},
     }
-    files = {"ranks/sleepers.py": SLEEPERS}
+    files = {"custom/sleepers.py": SLEEPERS}
     job = write_job(
         tmp_path,
         "abort",
@@ -206,7 +206,7 @@ def test_sigkill_of_the_client_process_leaves_no_rank(tmp_path, rust_worker, sim
         num_rounds=1,
     )
     ws = tmp_path / "ws"
-    allow_rankexec(ws)
+    allow_rankexec(ws, worker=rust_worker, components=("Sleep",))
     sim = sim_runner(job, ws)
     ranks = wait_until(lambda: len(rank_pids(ws)) == 4 and rank_pids(ws), timeout=90, step=0.1)
     assert ranks and len(ranks) == 4, f"ranks never came up:\n{sim.output()[-3000:]}"
@@ -287,7 +287,7 @@ def test_a_rank_group_that_cannot_start_fails_the_run_with_its_reason(tmp_path, 
         num_rounds=1,
     )
     ws = tmp_path / "ws"
-    allow_rankexec(ws)
+    allow_rankexec(ws, worker=rust_worker, components=("NoSuchRank",))
     run_sim(job, ws, check=False)
     client = "".join((ws / s / "error_log.txt").read_text() for s in ("site-1", "site-2"))
     assert "cannot start the rank group" in client and "unknown path `NoSuchRank`" in client

@@ -50,20 +50,25 @@ class _Input:
         self.meta, self.blobs = meta, blobs
 
 
-def FlareDigitsDDP(trainer: str = "trainer.py", num_sites: int = 2, **kwargs):
-    base = _load_trainer(trainer).DigitsDDP
+class FlareDigitsDDP:
+    """The trainer's `DigitsDDP`, fed FLARE's round and site (a class: rankexec builds
+    classes only)."""
 
-    class _FlareDigitsDDP(base):
-        def execute(self, task, input, ctx, abort):
-            site_name = str(ctx.get_prop("site_name", "site-1"))
-            site = (int(site_name.rsplit("-", 1)[-1]) - 1) % num_sites
-            meta = dict(input.meta)
-            meta["round"] = meta.get("current_round") or 0
-            out = super().execute(
-                task, _Input(meta, input.blobs), _Ctx(ctx, site, num_sites), abort
-            )
-            out.meta["dxo_arrays"] = input.meta.get("dxo_arrays")
-            out.meta["NUM_STEPS_CURRENT_ROUND"] = out.meta.get("num_samples", 1)
-            return out
+    def __init__(self, trainer: str = "trainer.py", num_sites: int = 2, **kwargs) -> None:
+        self._trainer = _load_trainer(trainer).DigitsDDP(**kwargs)
+        self._num_sites = num_sites
 
-    return _FlareDigitsDDP(**kwargs)
+    def execute(self, task, input, ctx, abort):
+        site_name = str(ctx.get_prop("site_name", "site-1"))
+        site = (int(site_name.rsplit("-", 1)[-1]) - 1) % self._num_sites
+        meta = dict(input.meta)
+        meta["round"] = meta.get("current_round") or 0
+        out = self._trainer.execute(
+            task, _Input(meta, input.blobs), _Ctx(ctx, site, self._num_sites), abort
+        )
+        out.meta["dxo_arrays"] = input.meta.get("dxo_arrays")
+        out.meta["NUM_STEPS_CURRENT_ROUND"] = out.meta.get("num_samples", 1)
+        return out
+
+    def handle_event(self, event, ctx):
+        self._trainer.handle_event(event, ctx)
