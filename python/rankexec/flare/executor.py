@@ -125,8 +125,20 @@ def _job_has_custom_code(fl_ctx: FLContext, workspace: Any, job_id: str) -> bool
     return isinstance(meta, dict) and bool(meta.get(AppValidationKey.BYOC))
 
 
+def keep_rankexec_out_of_custom(job: Any) -> None:
+    """Marks ``rankexec`` as an installed package of a FLARE Job API ``FedJob``, so
+    ``export_job`` names its classes without copying their source into ``custom/``."""
+    config = getattr(job, "job", None)
+    packages = list(getattr(config, "app_packages", None) or [])
+    if "rankexec" not in packages:
+        job.set_app_packages([*packages, "rankexec"])
+
+
 class MultiProcessExecutor(Executor):
     """Runs every task on a group of rank processes (see the module docs)."""
+
+    # The documented path (what sites allow, what FLARE's Job API exports).
+    __module__ = "rankexec.flare"
 
     def __init__(
         self,
@@ -181,6 +193,33 @@ class MultiProcessExecutor(Executor):
         self._copy = bool(copy_results)
         self._group: RankGroup | None = None
         self._engine: Any = None
+        # FLARE's Job API exports a component's args from its attributes named like its
+        # parameters (`name` or `_name`): every argument is kept as given, so a job
+        # exported with `job.export_job` carries all of them.
+        for name, value in (
+            ("num_of_processes", num_of_processes),
+            ("result", result),
+            ("deadlines", deadlines),
+            ("gpu", gpu),
+            ("resources", resources),
+            ("launcher", launcher),
+            ("restart", restart),
+            ("relay_events", relay_events),
+            ("abort_poll_interval", abort_poll_interval),
+            ("copy_results", copy_results),
+            ("server_expected_format", server_expected_format),
+        ):
+            setattr(self, "_" + name, value)
+
+    def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> Any:
+        """FLARE's Job API hook (``job.to(executor, site, tasks=[...])``): adds this
+        executor, and keeps this package's code out of the job's ``custom/`` folder
+        (the Job API copies the source of every component class it does not know into
+        ``custom/``; a site runs the rankexec it installed, and a copy would make the
+        job BYOC and could shadow the installed package)."""
+        job.check_kwargs(args_to_check=kwargs, args_expected={"tasks": False})
+        keep_rankexec_out_of_custom(job)
+        return job.add_executor(obj=self, tasks=kwargs.get("tasks", ["*"]), ctx=ctx)
 
     # ---- configuration -------------------------------------------------------------
 

@@ -9,16 +9,27 @@ which site's rank failed and why.
 
 from __future__ import annotations
 
+from typing import Any
+
 from nvflare.apis.event_type import EventType
 from nvflare.apis.fl_component import FLComponent
 from nvflare.apis.fl_constant import FLContextKey, ReservedKey
 from nvflare.apis.fl_context import FLContext
 
-from rankexec.flare.executor import ERROR_HEADER
+from rankexec.flare.executor import ERROR_HEADER, keep_rankexec_out_of_custom
 
 
 class RankErrorLogger(FLComponent):
     """Logs the ``rankexec_error`` header of every client result that carries one."""
+
+    # The documented path (what sites allow, what FLARE's Job API exports).
+    __module__ = "rankexec.flare"
+
+    def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> Any:
+        """FLARE's Job API hook (``job.to(RankErrorLogger(), "server")``): adds this
+        component without copying this package's source into the job."""
+        keep_rankexec_out_of_custom(job)
+        return job.add_component(comp_id=ctx.comp_id or "rankexec_errors", obj=self, ctx=ctx)
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
         if event_type != EventType.BEFORE_PROCESS_SUBMISSION:
