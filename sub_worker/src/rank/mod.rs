@@ -7,8 +7,12 @@
 //!   one after another, so libraries that tie state to a thread (MPI with
 //!   `MPI_THREAD_FUNNELED`, CUDA contexts) see one thread, and a task costs no thread
 //!   hop;
-//! - **handle**: reads the handle channel, runs event handlers, and fires the running
-//!   task's abort signal (`Abort`, `Close`);
+//! - **handle**: reads the handle channel: fires the running task's abort signal
+//!   (`Abort`, `Close`) at once, and queues events for the events thread (at most
+//!   [`EVENT_QUEUE`]; an event beyond that is refused with an `EventAck` saying the
+//!   queue is full, which the host reports as this rank's failure to handle it);
+//! - **events**: runs the components' event handlers, one event after another, and
+//!   acknowledges each; a slow handler delays later events, never an abort;
 //! - **event**: reads the parent's answers to relayed events;
 //! - **heartbeat**: tells the parent every interval that the process is alive.
 //!
@@ -59,7 +63,8 @@ mod tasks;
 
 use exec::exec_loop;
 use panics::{install_panic_capture, panic_text};
-use service::{event_loop, handle_loop, heartbeat_loop};
+pub use service::EVENT_QUEUE;
+use service::{event_loop, events_loop, handle_loop, heartbeat_loop};
 use startup::{Settings, StartupError, serve, settings};
 use tasks::Tasks;
 
@@ -127,13 +132,13 @@ fn startup_failure(e: &StartupError) -> std::process::ExitCode {
 /// Exits the whole process because the parent is gone.
 fn parent_gone(channel: &str) -> ! {
     warn!("{channel} channel closed without Close: the parent is gone, exiting");
-    std::process::exit(EXIT_PARENT_GONE.into());
+    os::exit_now(EXIT_PARENT_GONE)
 }
 
 fn protocol_violation(channel: &str, what: &str) -> ! {
     error!("{channel} channel: protocol violation: {what}");
     errorfile::write("ProtocolError", what, channel);
-    std::process::exit(EXIT_PROTOCOL.into());
+    os::exit_now(EXIT_PROTOCOL)
 }
 
 /// Frames from the authenticated parent: generous, since it sends whole models.
