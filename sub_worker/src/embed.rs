@@ -417,9 +417,10 @@ mod tests {
     #[test]
     fn components_are_built_and_handle_events_on_the_callers_thread() {
         let (tx, rx) = channel::<u32>();
+        let (_running, done) = bounded(1);
         let mut tasks = Tasks {
             rx,
-            done: bounded(1).1,
+            done,
             code: None,
         };
         let caller = std::thread::current().id();
