@@ -5,7 +5,7 @@ torch's grad mode, CUDA's current device, signal handlers) set while building or
 
 from __future__ import annotations
 
-from conftest import COMPONENTS, executor_config
+from conftest import COMPONENTS, executor_config, pid_alive, pids_with_env, wait_until
 
 
 def test_state_set_in_init_and_in_start_run_holds_in_execute(host, tmp_path):
@@ -66,3 +66,35 @@ def test_an_unknown_mode_does_not_poison_the_next_start(host, tmp_path):
     r = host.send(op="task", task="t")
     assert r["ok"], r
     assert "unknown mode `bogus`" in r["meta"]["refused"], r
+
+
+def test_a_rank_that_never_calls_receive_is_ended_by_the_startup_deadline(host, tmp_path):
+    cfg = executor_config(
+        "threads:ThreadState",
+        1,
+        log_dir=tmp_path,
+        program=[str(COMPONENTS / "never_receive.py")],
+    )
+    cfg["deadlines"].update({"startup": "3s", "shutdown_grace": "1s", "term_grace": "1s"})
+    started = host.start(cfg)
+    print("start without receive():", started)
+    assert not started["ok"], started
+    wait_until(lambda: pids_with_env(str(tmp_path)) == [], 30, "the rank gone")
+
+
+def test_close_while_the_main_thread_is_in_an_event_handler(host, tmp_path):
+    cfg = executor_config(
+        "threads:SlowEvents", 2, {"out_dir": str(tmp_path), "hold": 60.0}, log_dir=tmp_path
+    )
+    cfg["deadlines"].update({"event": "2s", "shutdown_grace": "1s", "term_grace": "1s"})
+    started = host.start(cfg)
+    assert started["ok"], started
+    # The handler outlives the event deadline: the host closes the group while every
+    # rank's main thread is still inside it.
+    r = host.send(op="event", event="slow")
+    print("slow event:", r)
+    assert not r["ok"] and "slow" in r["error"], r
+    wait_until(lambda: not any(pid_alive(p) for p in started["pids"]), 30, "every rank gone")
+    nxt = host.send(op="task", task="seen")
+    print("next task on a fresh group:", nxt.get("meta"), nxt.get("error"))
+    assert nxt["ok"] and nxt["meta"]["seen"] == [], nxt
