@@ -22,10 +22,15 @@
 //!   `SIGKILL`ed parent closes its sockets) and the rank exits at once with
 //!   [`EXIT_PARENT_GONE`], even in the middle of a task. This is the one parent-death
 //!   check that also works under external launchers.
-//! - The service threads (handle, event, heartbeat) are what notice a dead parent while
-//!   a task runs. They log to stderr, whose reader may be that dead parent, so logging
-//!   ignores write errors; a service thread that panics ends the process with
-//!   [`EXIT_INTERNAL`] rather than leave a rank nobody listens for.
+//! - The service threads (handle, events, event, heartbeat) are what notice a dead
+//!   parent while a task runs. They log to stderr, whose reader may be that dead
+//!   parent, so logging ignores write errors; a service thread that panics ends the
+//!   process with [`EXIT_INTERNAL`] rather than leave a rank nobody listens for.
+//! - Those exits happen while other threads (a task, or a foreign runtime such as
+//!   Python on its main thread) keep running, so they flush stdout and stderr and end
+//!   the process at once (`_exit`): no `atexit` handler or library destructor runs
+//!   concurrently with code still using what it tears down. Output the rank's own code
+//!   buffered itself (Python's `sys.stdout`) is lost, as on `SIGKILL`.
 //! - A task that ignores its abort signal keeps its thread busy; the parent escalates
 //!   to signals after its grace period.
 //! - `SIGTERM` keeps its default action (terminate at once). Put cleanup in an
@@ -36,7 +41,7 @@
 //! - `startup`: environment, channels, `Init`, components, `serve`.
 //! - `tasks`: which task runs, and aborts that arrive before their task.
 //! - `exec`: the exec thread: tasks, one after another, and their results.
-//! - `service`: the handle, event and heartbeat threads.
+//! - `service`: the handle, events, event and heartbeat threads, and the event queue.
 //! - `panics`: panic locations for error reports.
 
 use rankexec_protocol::error_chain as chain;
