@@ -14,8 +14,10 @@
 //! # Caveats
 //!
 //! - An event that arrives while a task runs waits until the task ends (and until the
-//!   script calls `receive` again); the executor's event deadline bounds that wait. The
-//!   task's abort signal never waits: it fires from the runtime's handle thread.
+//!   script calls `receive` again); the executor's event deadline bounds that wait, and
+//!   the host tears the group down when it passes, so a task longer than that deadline
+//!   must not be sent events. The task's abort signal never waits: it fires from the
+//!   runtime's handle thread.
 //! - A process that starts the runtime and never calls `receive` holds its build (and
 //!   every event) up; the executor's start-up deadline ends it.
 //! - Events a task fires itself (`Context.fire_event`) reach this rank's components on
