@@ -111,7 +111,7 @@ fn task_abort_reaches_ranks_first_and_does_not_wait_for_abort_task_acks() {
         "trigger() returned only after the ABORT_TASK round trip ended"
     );
     // Each rank's signal fired and its task returned `aborted`: the Abort reached it
-    // before the ABORT_TASK event its handle thread is now stuck in.
+    // before the ABORT_TASK event, whose handler is now stuck.
     let t_ranks = Instant::now();
     for r in 0..2 {
         while !(rank_log(&logs, r).contains("abort requested")

@@ -8,8 +8,9 @@ Two ways to write a rank:
 - **Script style**: `rank = rankexec.init()`, then
   `while (task := rank.receive()) is not None: ... task.reply(...)`.
 
-The Rust runtime keeps the links and heartbeats on its own threads; they never wait
-for the GIL. Blobs arrive as read-only buffers over shared memory
+Your code (building components, event handlers, tasks) runs on the thread that calls
+`receive()`, Python's main thread; the Rust runtime keeps the links, aborts and
+heartbeats on its own threads, which never wait for the GIL. Blobs arrive as read-only buffers over shared memory
 (`np.frombuffer(blob)` copies nothing) and can be produced in place
 (`rankexec.SharedBuffer`). `rankexec.tensors` packs and unpacks state dicts.
 """
@@ -62,7 +63,8 @@ def init(on_event: Callable[[str, Context], None] | None = None) -> Rank:
 
     The executor started this script as its rank program; every task it sends comes
     out of `rank.receive()`. `on_event(event, ctx)`, if given, is called for every
-    event the host delivers (on a runtime thread, holding the GIL).
+    event the host delivers, inside `rank.receive()` on the thread that calls it (an
+    event that arrives while a task runs waits for the next `receive()`).
 
     Raises `NotARank` when the process was not started by an executor. Answers the
     worker command line (`--check-components ...`) and exits, when given one.

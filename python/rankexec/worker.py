@@ -5,7 +5,8 @@ Name a component in the executor's `components` as
 `"path": "trainer.py:Trainer"`), with `"worker": {"program": "python", "args":
 ["-m", "rankexec.worker"]}`. The class is built with `args` as keyword arguments and
 must have `execute(task, input, ctx, abort)`, returning a `rankexec.Shareable` (or
-None); `handle_event(event, ctx)` is optional.
+None); `handle_event(event, ctx)` is optional. The class is built, and its
+`handle_event` and `execute` run, on the process's main thread.
 
 With arguments it answers the worker command line: `--check-components JSON`,
 `--list-components`, `--version`, `--help`.
@@ -17,12 +18,18 @@ import sys
 from typing import Any
 
 from rankexec import _rankexec
+from rankexec._rankexec import ReplyError
 
 __all__ = ["main", "serve"]
 
 
 def serve(rank: _rankexec.Rank) -> int:
-    """Runs every task on its component until the host closes the group."""
+    """Runs every task on its component until the host closes the group.
+
+    Everything runs on this (the main) thread: `receive()` builds the components and
+    runs their `handle_event` between tasks. An output that cannot be sent (not a
+    `Shareable`, an unsendable meta value) fails that task only, with the reason.
+    """
     while (task := rank.receive()) is not None:
         component: Any = task.component  # always set in component style
         try:
@@ -34,7 +41,11 @@ def serve(rank: _rankexec.Rank) -> int:
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the rank stops
             continue
-        task.reply(out)
+        try:
+            task.reply(out)
+        except ReplyError:
+            # `reply` already failed the task with why; the rank serves the next one.
+            continue
     return rank.exit_code or 0
 
 

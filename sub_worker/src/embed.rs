@@ -1,11 +1,21 @@
 //! The rank runtime for a rank written in another language (Python through PyO3).
 //!
 //! A foreign rank keeps its own main thread for its own code: it starts the runtime on
-//! a background thread ([`start`]), which connects, authenticates, builds the
-//! components (usually [`Bridge`]s) and then runs exactly as a Rust rank does, with
-//! its handle, event and heartbeat threads. Every task a [`Bridge`] receives is handed
-//! over a channel to the caller as a [`Task`], which answers through [`Task::reply`].
-//! The links and heartbeats never wait for the caller (nor for Python's GIL).
+//! a background thread ([`start`]), which connects, authenticates and then runs exactly
+//! as a Rust rank does, with its handle, events, event and heartbeat threads. The
+//! foreign code itself runs only on the caller's thread (the one calling
+//! [`Tasks::next`]): the runtime sends it [`Request`]s over one channel and waits for
+//! each answer:
+//!
+//! - [`Build`]: build a component ([`build_on_caller`], from a [`Registry`] factory);
+//!   the answer becomes a [`Bridge`];
+//! - [`Event`]: a [`Bridge`]'s component handles an event;
+//! - [`Task`]: a [`Bridge`]'s component runs a task; answered through [`Task::reply`].
+//!
+//! So state a library ties to a thread (a CUDA device, grad mode, signal handlers,
+//! thread-locals, an event loop) set while building or in an event handler holds in
+//! every task. The links, aborts and heartbeats never wait for the caller (nor for
+//! Python's GIL).
 //!
 //! # Caveats
 //!
@@ -13,17 +23,27 @@
 //!   starts (from the inherited pipe the executor passes, which it then closes), and a
 //!   foreign runtime that closes or reuses inherited descriptors before that would cut
 //!   the rank off.
+//! - Requests are served one at a time, in order: an event that arrives while a task
+//!   runs waits for the task to end (the task's abort signal does not wait: it fires
+//!   from the handle thread). A caller that does not call [`Tasks::next`] holds every
+//!   build and event up; the executor's start-up and event deadlines bound that.
+//! - Events a task fires itself reach the rank's bridges on the thread waiting for
+//!   that fire ([`fire_local`]), which must serve them: its own thread cannot serve
+//!   the channel meanwhile.
 //! - A task that is dropped without a reply fails with a clear error; one whose caller
 //!   never answers is ended by the executor's task deadline, like any stuck rank.
-//! - When the parent disappears, the runtime exits the whole process
-//!   ([`EXIT_PARENT_GONE`](crate::EXIT_PARENT_GONE)), whatever the caller is doing.
+//! - When the parent disappears, the runtime ends the whole process at once
+//!   ([`EXIT_PARENT_GONE`](crate::EXIT_PARENT_GONE), with `_exit`: no `atexit` handler
+//!   runs), whatever the caller is doing.
 
-use std::sync::Arc;
+use std::any::Any;
+use std::cell::RefCell;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, bounded, select, unbounded};
 use rankexec_protocol::{
-    ComponentError, EventType, Executor, FlComponent, FlContext, Registry, Shareable, Signal,
+    Component, ComponentConfig, ComponentError, Engine, EventType, Executor, FireEventError,
+    FlComponent, FlContext, Registry, Shareable, Signal,
 };
 
 /// What a task's caller answers: the output and the context to send back, or an error.
@@ -57,34 +77,134 @@ pub struct Task<T> {
     pub reply: Reply,
 }
 
-/// An event handler for a bridge (runs on the rank's handle thread).
-pub type EventFn = dyn Fn(&EventType, &mut FlContext) -> Result<(), ComponentError> + Send + Sync;
+/// A component the caller built: its payload, and what the bridge serves.
+#[derive(Debug)]
+pub struct Built<T> {
+    /// The payload every task and event of this component carries.
+    pub payload: T,
+    /// Whether it runs tasks (an executor) or only handles events.
+    pub executor: bool,
+    /// Whether its events go to the caller (otherwise they are acknowledged at once).
+    pub handles_events: bool,
+}
 
-/// An executor that hands every task to whoever reads the [`Tasks`] channel, and waits
-/// for the answer. Build one per component in a [`Registry`] factory.
+/// A request to build a component on the caller's thread.
+#[derive(Debug)]
+pub struct Build<T> {
+    /// The component's id, path and arguments.
+    pub config: ComponentConfig,
+    /// Where the answer goes; dropped unanswered, the build fails.
+    pub reply: Sender<Result<Built<T>, ComponentError>>,
+}
+
+/// An event for a bridge's component, handled on the caller's thread.
+#[derive(Debug)]
+pub struct Event<T> {
+    /// The bridge's payload.
+    pub payload: T,
+    /// The event.
+    pub event: EventType,
+    /// The rank's context for this event.
+    pub ctx: FlContext,
+    /// Where the context the handler updated goes, or its error; dropped unanswered,
+    /// the event fails.
+    pub reply: Sender<Result<FlContext, ComponentError>>,
+}
+
+/// What the runtime asks of the caller.
+#[derive(Debug)]
+pub enum Request<T> {
+    /// Build a component.
+    Build(Build<T>),
+    /// Handle an event.
+    Event(Event<T>),
+    /// Run a task.
+    Task(Task<T>),
+}
+
+/// An executor (and event handler) that hands every task and event to whoever reads
+/// the [`Tasks`] channel, and waits for the answer. [`build_on_caller`] makes them.
 pub struct Bridge<T> {
     payload: T,
-    tx: Sender<Task<T>>,
-    events: Option<Arc<EventFn>>,
+    tx: Sender<Request<T>>,
+    handles_events: bool,
 }
 
 impl<T> Bridge<T> {
-    /// A bridge sending tasks into `tx` with `payload`, and handling events with
-    /// `events` (none: events are ignored).
-    pub fn new(payload: T, tx: Sender<Task<T>>, events: Option<Arc<EventFn>>) -> Self {
+    /// A bridge sending its requests into `tx` with `payload`; events are acknowledged
+    /// without asking the caller unless `handles_events`.
+    pub fn new(payload: T, tx: Sender<Request<T>>, handles_events: bool) -> Self {
         Bridge {
             payload,
             tx,
-            events,
+            handles_events,
         }
     }
 }
 
-impl<T: Send + Sync + 'static> FlComponent for Bridge<T> {
+thread_local! {
+    /// Where this thread's [`fire_local`] wants the bridges' events (a
+    /// `Sender<Request<T>>`), instead of the caller's channel.
+    static LOCAL: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Clears [`LOCAL`] when [`fire_local`] ends, even by a panic.
+struct LocalGuard;
+
+impl Drop for LocalGuard {
+    fn drop(&mut self) {
+        LOCAL.with(|l| l.borrow_mut().take());
+    }
+}
+
+/// Fires `event` through `engine` from this thread, sending the events the rank's own
+/// bridges must handle into `local` rather than the caller's channel. Use it for an
+/// event fired by the caller (from a task or a handler): the caller waits for this fire
+/// and cannot read its channel meanwhile, so it serves `local` while it waits.
+pub fn fire_local<T: Send + 'static>(
+    engine: &dyn Engine,
+    event: &EventType,
+    ctx: &mut FlContext,
+    local: Sender<Request<T>>,
+) -> Result<(), FireEventError> {
+    LOCAL.with(|l| *l.borrow_mut() = Some(Box::new(local)));
+    let _guard = LocalGuard;
+    engine.fire_event(event, ctx)
+}
+
+impl<T: Clone + Send + Sync + 'static> FlComponent for Bridge<T> {
     fn handle_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), ComponentError> {
-        match &self.events {
-            Some(f) => f(event, ctx),
-            None => Ok(()),
+        if !self.handles_events {
+            return Ok(());
+        }
+        let (tx, rx) = bounded(1);
+        let request = Request::Event(Event {
+            payload: self.payload.clone(),
+            event: event.clone(),
+            ctx: ctx.clone(),
+            reply: tx,
+        });
+        let local = LOCAL.with(|l| {
+            l.borrow()
+                .as_ref()
+                .and_then(|b| b.downcast_ref::<Sender<Request<T>>>().cloned())
+        });
+        let sent = match local {
+            Some(local) => local.send(request),
+            None => self.tx.send(request),
+        };
+        sent.map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
+        // No deadline of its own: the caller answers once its running task (if any)
+        // ends; the executor's event deadline bounds a caller that never does.
+        match rx.recv() {
+            Ok(Ok(back)) => {
+                *ctx = back;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ComponentError::failed(
+                "the event was dropped without an answer",
+            )),
         }
     }
 }
@@ -99,14 +219,14 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
     ) -> Result<Shareable, ComponentError> {
         let (tx, rx) = bounded(1);
         self.tx
-            .send(Task {
+            .send(Request::Task(Task {
                 payload: self.payload.clone(),
                 task: task.to_owned(),
                 input,
                 ctx: ctx.clone(),
                 abort: abort.clone(),
                 reply: Reply(tx),
-            })
+            }))
             .map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
         match rx.recv() {
             Ok(Ok((out, back))) => {
@@ -121,9 +241,35 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
     }
 }
 
-/// The caller's end: tasks to run, and the runtime's exit code when it stops.
+/// Asks the caller to build the component `config` (from a [`Registry`] factory, on
+/// the runtime's thread) and waits for it: the caller's [`Tasks::next`] returns the
+/// [`Build`]. The component is a [`Bridge`] to what the caller built.
+pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
+    tx: &Sender<Request<T>>,
+    config: &ComponentConfig,
+) -> Result<Component, ComponentError> {
+    let (reply, rx) = bounded(1);
+    tx.send(Request::Build(Build {
+        config: config.clone(),
+        reply,
+    }))
+    .map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
+    // No deadline of its own: the executor's start-up deadline ends a rank whose caller
+    // never serves its channel.
+    let built = rx
+        .recv()
+        .map_err(|_| ComponentError::failed("the build was dropped without an answer"))??;
+    let bridge = Bridge::new(built.payload, tx.clone(), built.handles_events);
+    Ok(if built.executor {
+        Component::Executor(std::sync::Arc::new(bridge))
+    } else {
+        Component::Handler(std::sync::Arc::new(bridge))
+    })
+}
+
+/// The caller's end: requests to serve, and the runtime's exit code when it stops.
 pub struct Tasks<T> {
-    rx: Receiver<Task<T>>,
+    rx: Receiver<Request<T>>,
     done: Receiver<u8>,
     code: Option<u8>,
 }
@@ -131,8 +277,8 @@ pub struct Tasks<T> {
 /// What [`Tasks::next`] saw.
 #[derive(Debug)]
 pub enum Next<T> {
-    /// A task to run.
-    Task(Task<T>),
+    /// A request to serve on this thread.
+    Request(Request<T>),
     /// The runtime stopped with this exit code ([`EXIT_OK`](crate::EXIT_OK) after the
     /// parent's `Close`).
     Stopped(u8),
@@ -141,14 +287,14 @@ pub enum Next<T> {
 }
 
 impl<T> Tasks<T> {
-    /// Waits up to `timeout` for the next task or for the runtime to stop.
+    /// Waits up to `timeout` for the next request or for the runtime to stop.
     pub fn next(&mut self, timeout: Duration) -> Next<T> {
         if let Some(code) = self.code {
             return Next::Stopped(code);
         }
         select! {
             recv(self.rx) -> t => match t {
-                Ok(t) => Next::Task(t),
+                Ok(t) => Next::Request(t),
                 // Every bridge is gone: only the runtime's end can follow.
                 Err(_) => match self.done.recv_timeout(timeout) {
                     Ok(code) => self.stopped(code),
@@ -172,16 +318,17 @@ impl<T> Tasks<T> {
     }
 }
 
-/// A channel for [`Bridge`]s: give the sender to every bridge, the receiver to [`start`].
-pub fn channel<T>() -> (Sender<Task<T>>, Receiver<Task<T>>) {
+/// A channel for [`Bridge`]s: give the sender to the registry's factories, the receiver
+/// to [`start`].
+pub fn channel<T>() -> (Sender<Request<T>>, Receiver<Request<T>>) {
     unbounded()
 }
 
-/// Starts the rank runtime with `registry` on a background thread (`rx-runtime`); tasks
-/// sent by its bridges into the channel of `rx` come out of the returned [`Tasks`].
+/// Starts the rank runtime with `registry` on a background thread (`rx-runtime`);
+/// requests sent into the channel of `rx` come out of the returned [`Tasks`].
 pub fn start<T: Send + 'static>(
     registry: Registry,
-    rx: Receiver<Task<T>>,
+    rx: Receiver<Request<T>>,
 ) -> std::io::Result<Tasks<T>> {
     let (done_tx, done) = bounded(1);
     std::thread::Builder::new()
@@ -222,12 +369,19 @@ mod tests {
         }
     }
 
+    fn task_of<T>(r: Request<T>) -> Task<T> {
+        match r {
+            Request::Task(t) => t,
+            _ => panic!("expected a task"),
+        }
+    }
+
     #[test]
     fn bridge_hands_the_task_over_and_returns_the_answer() {
         let (tx, rx) = channel::<u32>();
-        let bridge = Bridge::new(7u32, tx, None);
+        let bridge = Bridge::new(7u32, tx, false);
         let caller = std::thread::spawn(move || {
-            let t = rx.recv().unwrap();
+            let t = task_of(rx.recv().unwrap());
             assert_eq!((t.payload, t.task.as_str()), (7, "train"));
             let mut ctx = t.ctx.clone();
             ctx.set_prop("seen", true, rankexec_protocol::PropFlags::PUBLIC)
@@ -251,12 +405,121 @@ mod tests {
     #[test]
     fn a_task_dropped_without_reply_fails_the_task() {
         let (tx, rx) = channel::<()>();
-        let bridge = Bridge::new((), tx, None);
+        let bridge = Bridge::new((), tx, false);
         let caller = std::thread::spawn(move || drop(rx.recv().unwrap()));
         let err = bridge
             .execute("t", Shareable::new(), &mut FlContext::new(), &Signal::new())
             .unwrap_err();
         caller.join().unwrap();
         assert_eq!(err.message(), "the task was dropped without a reply");
+    }
+
+    #[test]
+    fn components_are_built_and_handle_events_on_the_callers_thread() {
+        let (tx, rx) = channel::<u32>();
+        let (_running, done) = bounded(1);
+        let mut tasks = Tasks {
+            rx,
+            done,
+            code: None,
+        };
+        let caller = std::thread::current().id();
+        let runtime = std::thread::spawn(move || {
+            let cfg = ComponentConfig::new("c", "C", serde_json::json!({}));
+            let c = build_on_caller(&tx, &cfg).unwrap();
+            let mut ctx = FlContext::new();
+            c.handler()
+                .handle_event(&EventType::START_RUN, &mut ctx)
+                .unwrap();
+            ctx.get_prop("handled_on")
+                .and_then(|v| v.as_str().map(str::to_owned))
+        });
+        let mut served = 0;
+        while served < 2 {
+            match tasks.next(Duration::from_secs(30)) {
+                Next::Request(Request::Build(b)) => {
+                    assert_eq!(b.config.id, "c");
+                    b.reply
+                        .send(Ok(Built {
+                            payload: 9,
+                            executor: true,
+                            handles_events: true,
+                        }))
+                        .unwrap();
+                }
+                Next::Request(Request::Event(mut e)) => {
+                    assert_eq!((e.payload, e.event.as_str()), (9, "_start_run"));
+                    let on = format!("{:?}", std::thread::current().id());
+                    e.ctx
+                        .set_prop("handled_on", on, rankexec_protocol::PropFlags::PUBLIC)
+                        .unwrap();
+                    e.reply.send(Ok(e.ctx)).unwrap();
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            served += 1;
+        }
+        assert_eq!(runtime.join().unwrap(), Some(format!("{caller:?}")));
+    }
+
+    /// An engine that delivers events to one component, as a rank's engine does.
+    struct Local(Component);
+
+    impl Engine for Local {
+        fn fire_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), FireEventError> {
+            self.0
+                .handler()
+                .handle_event(event, ctx)
+                .map_err(|source| FireEventError::Handler {
+                    component: "c".into(),
+                    event: event.to_string(),
+                    source,
+                })
+        }
+        fn identity(&self) -> &str {
+            "local"
+        }
+        fn job_id(&self) -> &str {
+            "local"
+        }
+        fn workspace(&self) -> &std::path::Path {
+            std::path::Path::new(".")
+        }
+    }
+
+    #[test]
+    fn events_fired_by_the_caller_go_to_its_local_channel() {
+        let (tx, rx) = channel::<u8>();
+        let engine = Local(Component::Handler(std::sync::Arc::new(Bridge::new(
+            1u8, tx, true,
+        ))));
+        let (local_tx, local_rx) = channel::<u8>();
+        let firing = std::thread::spawn(move || {
+            fire_local(
+                &engine,
+                &EventType::new("mine"),
+                &mut FlContext::new(),
+                local_tx,
+            )
+        });
+        match local_rx.recv_timeout(Duration::from_secs(30)).unwrap() {
+            Request::Event(e) => e.reply.send(Ok(e.ctx)).unwrap(),
+            other => panic!("unexpected {other:?}"),
+        }
+        firing.join().unwrap().unwrap();
+        assert!(
+            rx.try_recv().is_err(),
+            "nothing reached the caller's channel"
+        );
+    }
+
+    #[test]
+    fn a_bridge_without_handler_answers_events_itself() {
+        let (tx, rx) = channel::<()>();
+        let bridge = Bridge::new((), tx, false);
+        bridge
+            .handle_event(&EventType::START_RUN, &mut FlContext::new())
+            .unwrap();
+        assert!(rx.try_recv().is_err());
     }
 }

@@ -62,25 +62,20 @@ class DigitsDDP:
         (self.x_train, self.y_train), (self.x_test, self.y_test) = _split(seed, test_fraction)
         torch.manual_seed(seed)  # every rank and every client starts from the same model
         self.model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-        self.ddp: DDP | None = None
-        self.device = torch.device("cpu")
-
-    def _setup(self) -> DDP:
-        """Joins the process group on the thread that runs tasks (CUDA devices are per
-        thread), once."""
-        if self.ddp is None:
-            if torch.cuda.is_available():
-                local = int(os.environ.get("LOCAL_RANK", "0"))
-                self.device = torch.device("cuda", local % torch.cuda.device_count())
-                torch.cuda.set_device(self.device)
-                backend = "nccl"
-            else:
-                backend = "gloo"
-            dist.init_process_group(backend)
-            self.model.to(self.device)
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DDP(self.model, device_ids=ids)
-        return self.ddp
+        # The component is built on the thread that runs its tasks and events (the
+        # rank's main thread), so the CUDA device chosen here holds in `execute`.
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            self.device = torch.device("cuda", local % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        dist.init_process_group(backend)
+        self.model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DDP(self.model, device_ids=ids)
 
     def _evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         with torch.no_grad():
@@ -91,7 +86,7 @@ class DigitsDDP:
         return acc, loss
 
     def execute(self, task, input, ctx, abort):
-        ddp = self._setup()
+        ddp = self.ddp
         site = int(ctx.get_prop("__site_index__", 0))
         sites = int(ctx.get_prop("__num_sites__", 1))
         rank, world = dist.get_rank(), dist.get_world_size()

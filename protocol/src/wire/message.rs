@@ -8,7 +8,8 @@
 //! | [`Channel::Handle`] | `HandleEvent`, `Abort`, `Close` | `EventAck` |
 //!
 //! `Abort` travels on the handle channel: a rank runs its task on the thread that reads
-//! the exec channel, and its handle thread, idle during a task, fires the task's signal.
+//! the exec channel, and its handle thread, which runs no component code (event
+//! handlers run on another thread), fires the task's signal at once.
 //! | [`Channel::Event`] | `EventReply` | `FireEvent`, `Heartbeat` |
 //!
 //! Before any of these, each connection completes the [`Handshake`] (see

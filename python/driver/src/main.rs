@@ -12,6 +12,10 @@
 //!   blobs are built in shared memory (their `inode`s are returned as `input_inodes`);
 //!   answers the output's `meta` and, per blob, `len`, `shared`, `inode`, `first`,
 //!   `last`, or the error's `class`, `rank`, `error` and `report`;
+//!   With `events_during {event, n, after_path, abort_after_answers, abort_after_ms}`,
+//!   `n` events are fired at once while the task runs (once `after_path` exists), the
+//!   task is aborted once `abort_after_answers` of them are answered (or
+//!   `abort_after_ms` after firing), and `events` lists their answers;
 //! - `event {event}`: fire an event to every rank;
 //! - `pids`: the group's live pids;
 //! - `rtt {task, n}`: `n` empty tasks back to back; answers each one's microseconds;
@@ -125,6 +129,50 @@ fn status_kib(field: &str) -> Option<u64> {
         .ok()
 }
 
+/// `events_during` of a `task`: once the file `after_path` exists (60 s at most), fires
+/// `n` events `event` to the ranks at once (one thread each); triggers the task's abort
+/// once `abort_after_answers` of them are answered, or `abort_after_ms` after firing.
+/// Answers every event's `ok` and `error`, in answer order.
+fn fire_during(exec: &MultiProcessExecutor, d: &Json, signal: &Signal) -> Json {
+    let event = EventType::new(d["event"].as_str().unwrap_or("custom"));
+    let n = d["n"].as_u64().unwrap_or(1);
+    let abort_after = d["abort_after_answers"].as_u64();
+    if let Some(path) = d["after_path"].as_str() {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !Path::new(path).exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    std::thread::scope(|s| {
+        if let Some(ms) = d["abort_after_ms"].as_u64() {
+            s.spawn(move || {
+                std::thread::sleep(Duration::from_millis(ms));
+                signal.trigger("aborted by the test after the events");
+            });
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..n {
+            let (tx, event) = (tx.clone(), event.clone());
+            s.spawn(move || {
+                let r = exec.fire_to_ranks(&event, &mut FlContext::new());
+                let _ = tx.send(r.map_err(|e| error_chain(&e)));
+            });
+        }
+        drop(tx);
+        let mut answers = Vec::new();
+        for r in rx {
+            answers.push(match r {
+                Ok(()) => json!({"ok": true}),
+                Err(e) => json!({"ok": false, "error": e}),
+            });
+            if Some(answers.len() as u64) == abort_after {
+                signal.trigger("aborted by the test after event answers");
+            }
+        }
+        json!(answers)
+    })
+}
+
 fn exec_of(e: &Option<MultiProcessExecutor>) -> anyhow::Result<&MultiProcessExecutor> {
     e.as_ref().context("no group: send `start` first")
 }
@@ -195,23 +243,37 @@ impl Driver {
                         s.trigger("aborted by the test");
                     });
                 }
+                let exec = exec_of(&self.exec)?;
+                let during = cmd.get("events_during").filter(|d| d.is_object());
+                let ctx = &mut self.ctx;
                 let t = Instant::now();
-                let r = exec_of(&self.exec)?.run_task(&task, input, &mut self.ctx, &signal);
-                let ms = t.elapsed().as_secs_f64() * 1e3;
-                Ok(match r {
+                let (r, ms, fired) = std::thread::scope(|s| {
+                    let fired = during.map(|d| {
+                        let signal = signal.clone();
+                        s.spawn(move || fire_during(exec, d, &signal))
+                    });
+                    let r = exec.run_task(&task, input, ctx, &signal);
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    (
+                        r,
+                        ms,
+                        fired.map(|h| h.join().unwrap_or_else(|_| json!("panicked"))),
+                    )
+                });
+                let mut j = match r {
                     Ok(out) => {
                         let mut j = output_json(&out);
                         j["ok"] = json!(true);
-                        j["ms"] = json!(ms);
                         j["input_inodes"] = inodes;
                         j
                     }
-                    Err(e) => {
-                        let mut j = error_json(&e);
-                        j["ms"] = json!(ms);
-                        j
-                    }
-                })
+                    Err(e) => error_json(&e),
+                };
+                j["ms"] = json!(ms);
+                if let Some(f) = fired {
+                    j["events"] = f;
+                }
+                Ok(j)
             }
             "event" => {
                 let ev = EventType::new(cmd["event"].as_str().unwrap_or("custom"));

@@ -1,21 +1,35 @@
 //! Serving as a rank from Python: the component registry (`"module:Class"` and
 //! `"file.py:Class"` loaded by `rankexec._loader`), the script registry, and `Rank`,
-//! which hands tasks to Python's main thread.
+//! whose `receive` serves the runtime's requests on Python's main thread.
 //!
-//! The Rust runtime runs on its own threads (`embed`): links, handshake, heartbeats
-//! and memory files never need the GIL. Components are built on the runtime thread
-//! (with the GIL, while the main thread waits in `receive`), events are handled on the
-//! rank's handle thread, and tasks run on the thread that calls `receive` (Python's
-//! main thread, where `KeyboardInterrupt` is delivered).
+//! The Rust runtime runs on its own threads (`embed`): links, handshake, aborts,
+//! heartbeats and memory files never need the GIL. Every piece of Python code runs on
+//! the thread that calls `receive` (Python's main thread, where `KeyboardInterrupt` and
+//! signal handlers are delivered): components are built there (inside the first
+//! `receive`), their `handle_event` (and the script style's `on_event`) runs there, and
+//! so does every task. Thread-bound state (a CUDA device, grad mode, `threading.local`,
+//! an asyncio loop, signal handlers) set in `__init__` or in an event handler therefore
+//! holds in `execute`.
+//!
+//! # Caveats
+//!
+//! - An event that arrives while a task runs waits until the task ends (and until the
+//!   script calls `receive` again); the executor's event deadline bounds that wait, and
+//!   the host tears the group down when it passes, so a task longer than that deadline
+//!   must not be sent events. The task's abort signal never waits: it fires from the
+//!   runtime's handle thread.
+//! - A process that starts the runtime and never calls `receive` holds its build (and
+//!   every event) up; the executor's start-up deadline ends it.
+//! - Events a task fires itself (`Context.fire_event`) reach this rank's components on
+//!   the thread that fired them, before they go to the host.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use rankexec_protocol::{
-    Component, ComponentConfig, ComponentError, EventType, FlContext, Registry,
-};
-use rankexec_sub_worker::embed::{self, Bridge, EventFn, Next, Tasks};
+use rankexec_protocol::{ComponentConfig, ComponentError, FlContext, Registry};
+use rankexec_sub_worker::embed::{self, Bridge, Built, Next, Request, Tasks};
 use rankexec_sub_worker::rank_info;
 
 use super::convert::{error_from_exception, error_without_traceback};
@@ -23,55 +37,63 @@ use super::errors::{NotARank, RankexecError};
 use super::task::{Abort, Context, Task, input_to_py, wait_sliced};
 
 /// The foreign payload of a task: the component object (None in script style).
-type Payload = Option<Arc<Py<PyAny>>>;
+pub(crate) type Payload = Option<Arc<Py<PyAny>>>;
 
 static STARTED: AtomicBool = AtomicBool::new(false);
 
-fn py_error(e: &PyErr) -> ComponentError {
-    Python::attach(|py| error_from_exception(py, e))
+/// The script style's `on_event` (set once, by `start`).
+static ON_EVENT: OnceLock<Py<PyAny>> = OnceLock::new();
+
+/// Builds a Python component through `rankexec._loader.build` (on the caller's thread).
+fn build_python(py: Python<'_>, cfg: &ComponentConfig) -> Result<Built<Payload>, ComponentError> {
+    let built = (|| -> PyResult<(Py<PyAny>, bool, bool)> {
+        let obj = py
+            .import("rankexec._loader")?
+            .call_method1("build", (&cfg.id, &cfg.path, cfg.args.to_string()))?;
+        let exec = obj.hasattr("execute")?;
+        let events = obj.hasattr("handle_event")?;
+        Ok((obj.unbind(), exec, events))
+    })();
+    let (obj, executor, handles_events) = built.map_err(|e| error_from_exception(py, &e))?;
+    Ok(Built {
+        payload: Some(Arc::new(obj)),
+        executor,
+        handles_events,
+    })
 }
 
-/// An event handler calling `f(event, ctx)` with the GIL.
-fn event_fn(f: Arc<Py<PyAny>>, method: Option<&'static str>) -> Arc<EventFn> {
-    Arc::new(move |event: &EventType, ctx: &mut FlContext| {
-        Python::attach(|py| {
-            let c = Py::new(py, Context::new(ctx.clone())).map_err(|e| py_error(&e))?;
-            let target = f.bind(py);
-            let r = match method {
-                Some(m) => target.call_method1(m, (event.as_str(), c.clone_ref(py))),
-                None => target.call1((event.as_str(), c.clone_ref(py))),
-            };
-            r.map_err(|e| error_from_exception(py, &e))?;
-            *ctx = c.bind(py).get().snapshot();
+/// Runs a `handle_event` (or the script's `on_event`) here and answers the runtime.
+/// Raises what is not an `Exception` (`KeyboardInterrupt`, `SystemExit`) after failing
+/// the event with it.
+pub(crate) fn serve_event(py: Python<'_>, e: embed::Event<Payload>) -> PyResult<()> {
+    let run = || -> PyResult<FlContext> {
+        let c = Py::new(py, Context::new(e.ctx.clone()))?;
+        match (&e.payload, ON_EVENT.get()) {
+            (Some(obj), _) => {
+                obj.bind(py)
+                    .call_method1("handle_event", (e.event.as_str(), c.clone_ref(py)))?;
+            }
+            (None, Some(f)) => {
+                f.bind(py).call1((e.event.as_str(), c.clone_ref(py)))?;
+            }
+            (None, None) => {}
+        }
+        Ok(c.bind(py).get().snapshot())
+    };
+    match run() {
+        Ok(ctx) => {
+            let _ = e.reply.send(Ok(ctx));
             Ok(())
-        })
-    })
-}
-
-/// Builds a Python component through `rankexec._loader.build`.
-fn build_python(
-    cfg: &ComponentConfig,
-    tx: &crossbeam_channel::Sender<embed::Task<Payload>>,
-) -> Result<Component, ComponentError> {
-    Python::attach(|py| {
-        let built = (|| -> PyResult<(Py<PyAny>, bool, bool)> {
-            let obj = py
-                .import("rankexec._loader")?
-                .call_method1("build", (&cfg.id, &cfg.path, cfg.args.to_string()))?;
-            let exec = obj.hasattr("execute")?;
-            let events = obj.hasattr("handle_event")?;
-            Ok((obj.unbind(), exec, events))
-        })();
-        let (obj, exec, events) = built.map_err(|e| error_from_exception(py, &e))?;
-        let obj = Arc::new(obj);
-        let events = events.then(|| event_fn(obj.clone(), Some("handle_event")));
-        let bridge = Bridge::new(Some(obj), tx.clone(), events);
-        Ok(if exec {
-            Component::Executor(Arc::new(bridge))
-        } else {
-            Component::Handler(Arc::new(bridge))
-        })
-    })
+        }
+        Err(err) => {
+            let _ = e.reply.send(Err(error_from_exception(py, &err)));
+            if err.is_instance_of::<PyException>(py) {
+                Ok(())
+            } else {
+                Err(err)
+            }
+        }
+    }
 }
 
 /// Checks a Python component without building it (`rankexec._loader.check`).
@@ -84,27 +106,23 @@ fn check_python(cfg: &ComponentConfig) -> Result<(), ComponentError> {
     })
 }
 
-/// The registry of `python -m rankexec.worker`: every path is a Python component.
-fn component_registry(tx: crossbeam_channel::Sender<embed::Task<Payload>>) -> Registry {
+/// The registry of `python -m rankexec.worker`: every path is a Python component, built
+/// by the thread in `receive`.
+fn component_registry(tx: crossbeam_channel::Sender<Request<Payload>>) -> Registry {
     let mut r = Registry::new();
-    r.fallback(move |cfg| build_python(cfg, &tx), check_python);
+    r.fallback(move |cfg| embed::build_on_caller(&tx, cfg), check_python);
     r
 }
 
-/// The registry of a script: every component hands its tasks to `receive()`.
-fn script_registry(
-    tx: crossbeam_channel::Sender<embed::Task<Payload>>,
-    on_event: Option<Arc<Py<PyAny>>>,
-) -> Registry {
+/// The registry of a script: every component hands its tasks (and, with an `on_event`,
+/// its events) to `receive()`.
+fn script_registry(tx: crossbeam_channel::Sender<Request<Payload>>, on_event: bool) -> Registry {
     let mut r = Registry::new();
     r.fallback(
         move |_cfg| {
-            let events = on_event.clone().map(|f| event_fn(f, None));
-            Ok(Component::Executor(Arc::new(Bridge::new(
-                None,
-                tx.clone(),
-                events,
-            ))))
+            Ok(rankexec_protocol::Component::Executor(Arc::new(
+                Bridge::new(None, tx.clone(), on_event),
+            )))
         },
         |_cfg| Ok(()),
     );
@@ -133,19 +151,26 @@ fn to_task(py: Python<'_>, t: embed::Task<Payload>) -> PyResult<Task> {
 
 #[pymethods]
 impl Rank {
-    /// Waits for the next task; None once the host closed the group. Ctrl-C raises
+    /// Waits for the next task; None once the host closed the group. Builds the
+    /// components and runs event handlers on this thread meanwhile. Ctrl-C raises
     /// `KeyboardInterrupt`.
     fn receive(&self, py: Python<'_>) -> PyResult<Option<Task>> {
-        let next = wait_sliced(py, None, |slice| {
-            let mut tasks = self.tasks.lock().unwrap_or_else(PoisonError::into_inner);
-            match tasks.next(slice) {
-                Next::Idle => None,
-                other => Some(other),
+        loop {
+            let next = wait_sliced(py, None, |slice| {
+                let mut tasks = self.tasks.lock().unwrap_or_else(PoisonError::into_inner);
+                match tasks.next(slice) {
+                    Next::Idle => None,
+                    other => Some(other),
+                }
+            })?;
+            match next {
+                Some(Next::Request(Request::Task(t))) => return to_task(py, t).map(Some),
+                Some(Next::Request(Request::Build(b))) => {
+                    let _ = b.reply.send(build_python(py, &b.config));
+                }
+                Some(Next::Request(Request::Event(e))) => serve_event(py, e)?,
+                _ => return Ok(None),
             }
-        })?;
-        match next {
-            Some(Next::Task(t)) => to_task(py, t).map(Some),
-            _ => Ok(None),
         }
     }
 
@@ -187,6 +212,11 @@ impl Rank {
 #[pyfunction]
 #[pyo3(signature = (mode, on_event=None))]
 pub fn start(mode: &str, on_event: Option<Py<PyAny>>) -> PyResult<Rank> {
+    if !matches!(mode, "components" | "script") {
+        return Err(RankexecError::new_err(format!(
+            "unknown mode `{mode}` (components or script)"
+        )));
+    }
     if std::env::var_os(rankexec_protocol::env::vars::ENDPOINT).is_none() {
         return Err(NotARank::new_err(
             "not started by a rankexec executor (RANKEXEC_ENDPOINT is not set)",
@@ -198,14 +228,14 @@ pub fn start(mode: &str, on_event: Option<Py<PyAny>>) -> PyResult<Rank> {
         ));
     }
     let (tx, rx) = embed::channel::<Payload>();
-    let registry = match mode {
-        "components" => component_registry(tx),
-        "script" => script_registry(tx, on_event.map(Arc::new)),
-        other => {
-            return Err(RankexecError::new_err(format!(
-                "unknown mode `{other}` (components or script)"
-            )));
-        }
+    let registry = if mode == "components" {
+        component_registry(tx)
+    } else {
+        let handles = match on_event {
+            Some(f) => ON_EVENT.set(f).is_ok(),
+            None => false,
+        };
+        script_registry(tx, handles)
     };
     let tasks = embed::start(registry, rx)?;
     Ok(Rank {

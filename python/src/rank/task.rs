@@ -9,15 +9,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 use rankexec_protocol::{Blob as RBlob, EventType, FlContext, PropFlags, Shareable, Signal};
-use rankexec_sub_worker::embed::Reply;
+use rankexec_sub_worker::embed::{self, Reply, Request};
 
 use super::blob::{Blob, SharedBuffer};
 use super::convert::error_from_exception;
 use super::errors::{EventFailed, PropConflict, ReplyError};
+use super::runtime::{Payload, serve_event};
 use crate::value::{from_py, map_from_py, map_to_py, to_py};
 
 /// Blobs at least this large are copied straight into a shared memory file.
@@ -68,11 +69,24 @@ impl Abort {
         self.signal.reason()
     }
 
-    /// Waits until triggered or `timeout` seconds pass (None: no limit); returns
-    /// whether it was triggered.
+    /// Waits until triggered or `timeout` seconds pass (None or `inf`: no limit; zero
+    /// or negative: no wait, only a look); returns whether it was triggered. A NaN
+    /// timeout raises `ValueError`.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        let deadline = match timeout {
+            Some(t) if t.is_nan() => {
+                return Err(PyValueError::new_err("timeout must be a number, not NaN"));
+            }
+            // Too far to represent (`inf`, 1e300): no deadline.
+            Some(t) => Duration::try_from_secs_f64(t.max(0.0))
+                .ok()
+                .and_then(|d| Instant::now().checked_add(d)),
+            None => None,
+        };
+        if timeout.is_some_and(|t| t <= 0.0) {
+            return Ok(self.signal.is_triggered());
+        }
         let signal = self.signal.clone();
         let got = wait_sliced(py, deadline, |slice| {
             signal.wait_timeout(slice).then_some(())
@@ -200,16 +214,39 @@ impl Context {
             .cloned()
             .ok_or_else(|| EventFailed::new_err("this context has no engine"))?;
         let (tx, rx) = crossbeam_channel::bounded(1);
+        // This rank's own components handle the event on this thread (see below).
+        let (local_tx, local_rx) = embed::channel::<Payload>();
         let ev = EventType::new(event);
         std::thread::Builder::new()
             .name("rx-py-event".into())
             .spawn(move || {
-                let r = engine.fire_event(&ev, &mut ctx);
+                let r = embed::fire_local(engine.as_ref(), &ev, &mut ctx, local_tx);
                 let _ = tx.send(r.map(|()| ctx));
             })
             .map_err(|e| EventFailed::new_err(format!("cannot start the event thread: {e}")))?;
         // The engine's own deadline (the executor's event timeout) bounds the wait.
-        let got = wait_sliced(py, None, |slice| rx.recv_timeout(slice).ok())?;
+        // Meanwhile this thread runs this rank's handlers for the event: they run on
+        // the thread that fired it, like a Rust rank's.
+        let got = loop {
+            let step = wait_sliced(py, None, |slice| {
+                crossbeam_channel::select! {
+                    recv(rx) -> r => r.ok().map(Fired::Done),
+                    recv(local_rx) -> e => match e {
+                        Ok(Request::Event(e)) => Some(Fired::Local(e)),
+                        // Only events are sent here.
+                        Ok(_) => None,
+                        // The fire is over; its result follows.
+                        Err(_) => rx.recv_timeout(slice).ok().map(Fired::Done),
+                    },
+                    default(slice) => None,
+                }
+            })?;
+            match step {
+                Some(Fired::Local(e)) => serve_event(py, e)?,
+                Some(Fired::Done(r)) => break Some(r),
+                None => break None,
+            }
+        };
         match got {
             Some(Ok(back)) => {
                 *self.ctx.lock().unwrap_or_else(PoisonError::into_inner) = back;
@@ -219,6 +256,14 @@ impl Context {
             None => Err(EventFailed::new_err("the event was not answered")),
         }
     }
+}
+
+/// What the wait in `Context.fire_event` saw.
+enum Fired {
+    /// The fire ended.
+    Done(Result<FlContext, rankexec_protocol::FireEventError>),
+    /// One of this rank's components must handle the event on this thread.
+    Local(embed::Event<Payload>),
 }
 
 /// One task: its name, input, context and abort signal; answer it once with `reply`

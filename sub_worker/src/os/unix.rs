@@ -7,6 +7,8 @@
 //!   the rank compares `getppid()` with the pid it was given right after.
 //! - `mapped_inode`: the inode of the file mapped at an address (`/proc/self/maps`),
 //!   so the `Digest` component can prove a blob is the parent's memory file itself.
+//! - `exit_now`: `_exit(2)` after flushing our own output, for exits from a thread
+//!   while others run.
 //! - `ignore_sigterm`: used only by the built-in `Sleep` component to play a rank that
 //!   refuses to stop, so tests can prove the executor escalates to `SIGKILL`.
 
@@ -18,6 +20,21 @@ use nix::unistd::{Pid, getpgrp, getpid, getppid};
 pub(crate) fn die_with_parent(expected_parent: u32) -> std::io::Result<bool> {
     nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
     Ok(getppid() == Pid::from_raw(expected_parent as i32))
+}
+
+/// Flushes stdout and stderr, then ends the process at once (`_exit(2)`): no `atexit`
+/// handler or static destructor runs. Service threads exit this way while other
+/// threads (a task, a Python interpreter) are still running, where `exit(3)` would run
+/// those handlers concurrently with code still using what they tear down.
+pub(crate) fn exit_now(code: u8) -> ! {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit(2)` takes a plain integer, touches no memory of ours and never
+    // returns; it is unsafe only as a foreign call. Skipping `atexit` handlers is the
+    // point. Exercised by the Python test of a rank whose host is SIGKILLed under
+    // torchrun (a C `atexit` marker must not run).
+    unsafe { nix::libc::_exit(i32::from(code)) }
 }
 
 /// This process's pid.

@@ -7,8 +7,12 @@
 //!   one after another, so libraries that tie state to a thread (MPI with
 //!   `MPI_THREAD_FUNNELED`, CUDA contexts) see one thread, and a task costs no thread
 //!   hop;
-//! - **handle**: reads the handle channel, runs event handlers, and fires the running
-//!   task's abort signal (`Abort`, `Close`);
+//! - **handle**: reads the handle channel: fires the running task's abort signal
+//!   (`Abort`, `Close`) at once, and queues events for the events thread (at most
+//!   [`EVENT_QUEUE`]; an event beyond that is refused with an `EventAck` saying the
+//!   queue is full, which the host reports as this rank's failure to handle it);
+//! - **events**: runs the components' event handlers, one event after another, and
+//!   acknowledges each; a slow handler delays later events, never an abort;
 //! - **event**: reads the parent's answers to relayed events;
 //! - **heartbeat**: tells the parent every interval that the process is alive.
 //!
@@ -18,10 +22,15 @@
 //!   `SIGKILL`ed parent closes its sockets) and the rank exits at once with
 //!   [`EXIT_PARENT_GONE`], even in the middle of a task. This is the one parent-death
 //!   check that also works under external launchers.
-//! - The service threads (handle, event, heartbeat) are what notice a dead parent while
-//!   a task runs. They log to stderr, whose reader may be that dead parent, so logging
-//!   ignores write errors; a service thread that panics ends the process with
-//!   [`EXIT_INTERNAL`] rather than leave a rank nobody listens for.
+//! - The service threads (handle, events, event, heartbeat) are what notice a dead
+//!   parent while a task runs. They log to stderr, whose reader may be that dead
+//!   parent, so logging ignores write errors; a service thread that panics ends the
+//!   process with [`EXIT_INTERNAL`] rather than leave a rank nobody listens for.
+//! - Those exits happen while other threads (a task, or a foreign runtime such as
+//!   Python on its main thread) keep running, so they flush stdout and stderr and end
+//!   the process at once (`_exit`): no `atexit` handler or library destructor runs
+//!   concurrently with code still using what it tears down. Output the rank's own code
+//!   buffered itself (Python's `sys.stdout`) is lost, as on `SIGKILL`.
 //! - A task that ignores its abort signal keeps its thread busy; the parent escalates
 //!   to signals after its grace period.
 //! - `SIGTERM` keeps its default action (terminate at once). Put cleanup in an
@@ -32,7 +41,7 @@
 //! - `startup`: environment, channels, `Init`, components, `serve`.
 //! - `tasks`: which task runs, and aborts that arrive before their task.
 //! - `exec`: the exec thread: tasks, one after another, and their results.
-//! - `service`: the handle, event and heartbeat threads.
+//! - `service`: the handle, events, event and heartbeat threads, and the event queue.
 //! - `panics`: panic locations for error reports.
 
 use rankexec_protocol::error_chain as chain;
@@ -59,7 +68,8 @@ mod tasks;
 
 use exec::exec_loop;
 use panics::{install_panic_capture, panic_text};
-use service::{event_loop, handle_loop, heartbeat_loop};
+pub use service::EVENT_QUEUE;
+use service::{event_loop, events_loop, handle_loop, heartbeat_loop};
 use startup::{Settings, StartupError, serve, settings};
 use tasks::Tasks;
 
@@ -127,13 +137,13 @@ fn startup_failure(e: &StartupError) -> std::process::ExitCode {
 /// Exits the whole process because the parent is gone.
 fn parent_gone(channel: &str) -> ! {
     warn!("{channel} channel closed without Close: the parent is gone, exiting");
-    std::process::exit(EXIT_PARENT_GONE.into());
+    os::exit_now(EXIT_PARENT_GONE)
 }
 
 fn protocol_violation(channel: &str, what: &str) -> ! {
     error!("{channel} channel: protocol violation: {what}");
     errorfile::write("ProtocolError", what, channel);
-    std::process::exit(EXIT_PROTOCOL.into());
+    os::exit_now(EXIT_PROTOCOL)
 }
 
 /// Frames from the authenticated parent: generous, since it sends whole models.

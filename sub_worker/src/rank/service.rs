@@ -1,19 +1,35 @@
-//! The service threads: handle (events, aborts, close), event relay replies, heartbeat.
+//! The service threads: handle (aborts, close, and events into the queue), events
+//! (the components' handlers), event relay replies, heartbeat.
 
 use rankexec_protocol::error_chain as chain;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 use rankexec_protocol::wire::envelope::{self};
 use rankexec_protocol::wire::message::RankError;
 use rankexec_protocol::wire::{FrameError, Message, frame::read_frame};
-use rankexec_protocol::{Component, ErrorClass, Signal};
-use tracing::{debug, info_span};
+use rankexec_protocol::{Component, ErrorClass, EventType, Signal};
+use tracing::{debug, info_span, warn};
 
 use super::*;
 
-pub(super) fn handle_loop(rank: &Rank, components: &[(String, Component)]) {
+/// The most events waiting for the rank's handlers. An event beyond it is refused at
+/// once (its `EventAck` says the queue is full), so a flood of events cannot grow a
+/// rank's memory without bound, and the host learns which rank could not keep up.
+pub const EVENT_QUEUE: usize = 16;
+
+/// An event from the parent, waiting for the events thread.
+pub(super) struct Queued {
+    event_id: u64,
+    event: EventType,
+    props: Props,
+}
+
+/// The handle thread: aborts and `Close` take effect here at once; events are queued
+/// for the events thread, so no handler (however slow) delays an abort.
+pub(super) fn handle_loop(rank: &Rank, events: Sender<Queued>) {
     loop {
         let frame = match read_frame(&rank.handle.conn, &parent_limits()) {
             Ok(f) => f,
@@ -31,31 +47,31 @@ pub(super) fn handle_loop(rank: &Rank, components: &[(String, Component)]) {
                 event,
                 props,
             } => {
-                let span = info_span!("event", event = %event);
-                let _enter = span.enter();
-                let mut ctx = rank.rank_ctx(props);
-                let mut result = Ok(());
-                for (id, c) in components {
-                    let r = catch_unwind(AssertUnwindSafe(|| {
-                        c.handler().handle_event(&event, &mut ctx)
-                    }));
-                    let err = match r {
-                        Ok(Ok(())) => continue,
-                        Ok(Err(e)) => RankError {
-                            class: e.class(),
-                            message: format!("component `{id}`: {}", e.chain_text()),
-                        },
-                        Err(p) => RankError {
-                            class: ErrorClass::Panic,
-                            message: format!("component `{id}`: {}", panic_text(&p)),
-                        },
-                    };
-                    result = Err(err);
-                    break;
-                }
-                let reply = Message::EventAck {
+                let refused = match events.try_send(Queued {
                     event_id,
-                    result: result.map(|()| ctx.props().clone()),
+                    event,
+                    props,
+                }) {
+                    Ok(()) => continue,
+                    Err(TrySendError::Full(q)) => (
+                        q,
+                        format!(
+                            "the rank's event queue is full ({EVENT_QUEUE} events wait for its \
+                             handlers, behind a long task or a slow handler)"
+                        ),
+                    ),
+                    Err(TrySendError::Disconnected(q)) => {
+                        (q, "the rank's events thread has stopped".to_owned())
+                    }
+                };
+                let (q, message) = refused;
+                warn!(event = %q.event, "event refused: {message}");
+                let reply = Message::EventAck {
+                    event_id: q.event_id,
+                    result: Err(RankError {
+                        class: ErrorClass::Exception,
+                        message,
+                    }),
                 };
                 if rank.handle.send(&reply).is_err() && !rank.closing() {
                     parent_gone("handle");
@@ -71,6 +87,55 @@ pub(super) fn handle_loop(rank: &Rank, components: &[(String, Component)]) {
                 return;
             }
             other => protocol_violation("handle", &format!("unexpected {}", other.kind())),
+        }
+    }
+}
+
+/// The events thread: every component's handler for each queued event, in order, then
+/// the `EventAck`. Events still queued when the group closes are not handled.
+pub(super) fn events_loop(
+    rank: &Rank,
+    queue: &Receiver<Queued>,
+    components: &[(String, Component)],
+) {
+    while let Ok(Queued {
+        event_id,
+        event,
+        props,
+    }) = queue.recv()
+    {
+        if rank.closing() {
+            debug!(event = %event, "closing: queued event not handled");
+            continue;
+        }
+        let span = info_span!("event", event = %event);
+        let _enter = span.enter();
+        let mut ctx = rank.rank_ctx(props);
+        let mut result = Ok(());
+        for (id, c) in components {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                c.handler().handle_event(&event, &mut ctx)
+            }));
+            let err = match r {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => RankError {
+                    class: e.class(),
+                    message: format!("component `{id}`: {}", e.chain_text()),
+                },
+                Err(p) => RankError {
+                    class: ErrorClass::Panic,
+                    message: format!("component `{id}`: {}", panic_text(&p)),
+                },
+            };
+            result = Err(err);
+            break;
+        }
+        let reply = Message::EventAck {
+            event_id,
+            result: result.map(|()| ctx.props().clone()),
+        };
+        if rank.handle.send(&reply).is_err() && !rank.closing() {
+            parent_gone("handle");
         }
     }
 }

@@ -261,10 +261,15 @@ pub(super) fn serve(
         let every = Duration::from_millis(init.heartbeat_interval_ms.max(10));
         move || heartbeat_loop(&rank, &stop, every)
     });
-    spawn("rx-handle", {
+    let (events_tx, events_rx) = crossbeam_channel::bounded(EVENT_QUEUE);
+    spawn("rx-events", {
         let rank = rank.clone();
         let components = built.components.clone();
-        move || handle_loop(&rank, &components)
+        move || events_loop(&rank, &events_rx, &components)
+    });
+    spawn("rx-handle", {
+        let rank = rank.clone();
+        move || handle_loop(&rank, events_tx)
     });
     let code = exec_loop(&rank, &built.executor);
     stop.trigger("closing");
@@ -289,11 +294,11 @@ pub(super) fn spawn(name: &str, f: impl FnOnce() + Send + 'static) {
         .spawn(move || {
             if catch_unwind(AssertUnwindSafe(|| span.in_scope(f))).is_err() {
                 error!(thread, "service thread panicked; exiting");
-                std::process::exit(EXIT_INTERNAL.into());
+                os::exit_now(EXIT_INTERNAL);
             }
         })
     {
         error!(thread = name, error = %e, "cannot start thread");
-        std::process::exit(EXIT_STARTUP.into());
+        os::exit_now(EXIT_STARTUP);
     }
 }
