@@ -4,6 +4,8 @@ queues a bounded number of events, refusing the rest with a typed error naming i
 
 from __future__ import annotations
 
+import sys
+
 from conftest import executor_config, read_notes
 
 EVENT_QUEUE = 16  # rankexec_sub_worker::rank::EVENT_QUEUE
@@ -59,3 +61,38 @@ def test_a_full_event_queue_refuses_events_naming_the_rank(host, tmp_path):
     handled = sum(1 for e in seen["meta"]["seen"] if e == "tick")
     assert handled == n - len(refused), "every accepted event was handled, none dropped"
     assert host.send(op="pids")["pids"] == started["pids"]
+
+
+def test_an_event_sent_during_a_long_task_waits_for_it_without_failing_the_group(tmp_path):
+    """A Python rank handles events after its running task: an event sent while a task
+    runs longer than the event deadline is answered once the task ends, and neither
+    the event nor the group fails (the event's deadline runs from the task's end)."""
+    import threading
+
+    from rankexec.host import RankGroup
+
+    cfg = executor_config("threads:LongTask", 2, {"out_dir": str(tmp_path)}, log_dir=tmp_path)
+    cfg["deadlines"] = {"startup": "60s", "task": "60s", "event": "1s"}
+    cfg["worker"]["program"] = sys.executable
+    with RankGroup(cfg) as g:
+        g.start()
+        pids = g.pids()
+        answers: list = []
+
+        def fire() -> None:
+            read_notes(tmp_path, "busy", 2)
+            try:
+                answers.append(("ok", g.fire_event("during")))
+            except Exception as e:  # noqa: BLE001 - the test reports what it got
+                answers.append(("error", repr(e)))
+
+        t = threading.Thread(target=fire)
+        t.start()
+        r = g.execute("work", {"secs": 3.0})
+        t.join(60)
+        print("task:", r.meta["ended"], "event answer:", answers)
+        assert answers and answers[0][0] == "ok", answers
+        assert g.pids() == pids, "the group was not torn down"
+        after = g.execute("work", {"secs": 0})
+        (event, ran_at) = after.meta["events"][0]
+        assert event == "during" and ran_at >= r.meta["ended"], after.meta

@@ -57,10 +57,20 @@ impl Dispatcher {
         for link in &g.links {
             link.send(Channel::Handle, frame.clone());
         }
+        // A Python rank handles events on the thread that runs its tasks, once the
+        // running task is done: an event sent during a task gets the event deadline
+        // from the end of the task's (it is still bounded; Rust ranks answer at once).
+        let now = Instant::now();
+        let event_deadline = self.cfg.deadlines.event.0;
+        let deadline = match &self.task {
+            Some(t) => (now + event_deadline).max(t.deadline + event_deadline),
+            None => now + event_deadline,
+        };
         self.events.insert(
             id,
             EventOp {
-                deadline: Instant::now() + self.cfg.deadlines.event.0,
+                deadline,
+                allowed: deadline.saturating_duration_since(now),
                 acks: vec![None; self.cfg.num_of_processes as usize],
                 cmd: c,
             },
@@ -109,7 +119,7 @@ impl Dispatcher {
         let pending = missing_ranks(&op.acks);
         let err = EventError::Timeout {
             event: op.cmd.event.to_string(),
-            timeout: self.cfg.deadlines.event.0,
+            timeout: op.allowed,
             pending: pending.clone(),
         };
         warn!("{err}");
@@ -117,7 +127,7 @@ impl Dispatcher {
         let reply = op.cmd.reply;
         // Tasks in flight fail with the silent rank named.
         let rank = pending.first().copied().unwrap_or(0);
-        let f = self.failure(rank, FailureCause::Unresponsive(self.cfg.deadlines.event.0));
+        let f = self.failure(rank, FailureCause::Unresponsive(op.allowed));
         let mut after = self.fail_inflight(&f);
         after.push(After::FailEvent(reply, err));
         self.begin_stop("event deadline", after);

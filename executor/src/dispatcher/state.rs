@@ -311,6 +311,9 @@ pub(super) struct PackSpec {
 pub(super) struct EventOp {
     pub(super) cmd: EventCmd,
     pub(super) deadline: Instant,
+    /// How long the ranks were given (the event deadline, plus what was left of the
+    /// running task's when the event was sent).
+    pub(super) allowed: std::time::Duration,
     pub(super) acks: Vec<Option<Result<Props, RankError>>>,
 }
 

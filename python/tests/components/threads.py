@@ -174,3 +174,20 @@ class CAtExit:
         while not abort.triggered and time.monotonic() < deadline:
             n += 1  # Python bytecode, not a wait
         return rankexec.Shareable(meta={"n": n})
+
+
+class LongTask:
+    """`work`: notes `busy`, works `secs` seconds (or until aborted) and returns the
+    events handled so far; `handle_event` notes each event with the time it ran."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.events: list[list] = []
+
+    def handle_event(self, event, ctx):
+        self.events.append([event, time.monotonic()])
+
+    def execute(self, task, input, ctx, abort):
+        _note(self.out_dir, "busy", ctx.rank, {"pid": os.getpid()})
+        abort.wait(float(input.meta.get("secs", 0)))
+        return rankexec.Shareable(meta={"ended": time.monotonic(), "events": self.events})
