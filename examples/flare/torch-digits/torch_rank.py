@@ -22,7 +22,7 @@ class FlareDigitsTrainer(DigitsTrainer):
     """`DigitsTrainer` with FLARE's round, site and data formats."""
 
     def execute(self, task, input, ctx, abort):
-        site_name = str(ctx.get_prop("site_name", "site-1"))
+        site_name = str(ctx.get_prop("__identity_name__", "site-1"))
         site = (int(site_name.rsplit("-", 1)[-1]) - 1) % self.num_sites
         self.load(unpack_data(input.meta, input.blobs))
         val_acc, val_loss, _ = self._evaluate(site, self.num_sites)

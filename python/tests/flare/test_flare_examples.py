@@ -68,3 +68,80 @@ def test_ddp_digits_job_reaches_its_accuracy(tmp_path):
     log = site_log(ws, "site-1") + site_log(ws, "site-2")
     assert "rank group of 2 ready" in log
     assert rank_pids(ws) == []
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_torch_digits_job_from_flares_job_api_trains_with_tensors_and_leaves_nothing(tmp_path):
+    """The realistic PyTorch example (examples/flare/torch-digits): exported by FLARE's
+    own Job API, FLARE's PyTorch exchange format (torch tensors both ways), a DataLoader
+    with persistent workers in every rank, setup in `__init__`, a `state_dict()` back."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from .flare_helpers import Sim
+
+    out = tmp_path / "jobs"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "flare" / "torch-digits" / "make_job.py"),
+            str(out),
+        ],
+        check=True,
+        timeout=120,
+    )
+    job = out / "torch-digits"
+    client = json.loads((job / "app_site-1" / "config" / "config_fed_client.json").read_text())
+    executor = client["executors"][0]["executor"]
+    print("exported executor:", json.dumps(executor))
+    assert executor["path"] == "rankexec.flare.MultiProcessExecutor"
+    assert executor["args"]["num_of_processes"] == 2, "the Job API exported every arg"
+    assert executor["args"]["server_expected_format"] == "pytorch"
+    assert not list(job.rglob("rankexec")), "no copy of the installed package in custom/"
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sim = Sim(job, ws)
+    seen: dict[int, int | None] = {}  # our processes while it ran -> their parent
+    deadline = time.monotonic() + 500
+    while sim.proc.poll() is None and time.monotonic() < deadline:
+        for pid in rank_pids(ws):
+            seen.setdefault(pid, _ppid(pid))
+        time.sleep(0.1)
+    assert sim.wait(60) == 0, sim.output()[-4000:]
+    assert_no_errors(ws)
+
+    saved = torch.load(
+        ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt", weights_only=False
+    )
+    state = saved.get("model", saved)
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in state.values())
+    sys.path.insert(0, str(REPO / "examples" / "python" / "torch_digits"))
+    try:
+        import trainer
+    finally:
+        sys.path.pop(0)
+    net = trainer.Net(128)
+    net.load_state_dict(state)
+    _, (x_test, y_test) = trainer._digits(2026, 0.2)
+    with torch.no_grad():
+        acc = (net(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean()
+    print(f"torch-digits job: server model accuracy {acc:.4f} on {len(y_test)} held-out digits")
+    assert acc >= 0.95
+    log = site_log(ws, "site-1") + site_log(ws, "site-2")
+    assert log.count("rank group of 2 ready") == 2, log[-3000:]
+    workers = {p for p, parent in seen.items() if parent in seen}
+    print(f"processes seen: {len(seen)} ranks and DataLoader workers, workers: {len(workers)}")
+    assert len(workers) >= 4, f"the ranks' DataLoader workers were seen: {seen}"
+    assert rank_pids(ws) == []

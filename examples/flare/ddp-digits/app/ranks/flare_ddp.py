@@ -1,7 +1,7 @@
 """The Python-ranks DDP trainer (examples/python/ddp_digits/trainer.py) inside FLARE.
 
 The trainer is reused as it is; this subclass only maps FLARE's conventions onto it:
-the round comes as `current_round`, the site from the group's `site_name` (`site-N`
+the round comes as `current_round`, the site from the rank context's `__identity_name__` (`site-N`
 trains on shard N-1 of `num_sites`), and the result carries the arrays' shapes
 (`dxo_arrays`) and `NUM_STEPS_CURRENT_ROUND` (the samples trained, FedAvg's weight).
 
@@ -59,7 +59,7 @@ class FlareDigitsDDP:
         self._num_sites = num_sites
 
     def execute(self, task, input, ctx, abort):
-        site_name = str(ctx.get_prop("site_name", "site-1"))
+        site_name = str(ctx.get_prop("__identity_name__", "site-1"))
         site = (int(site_name.rsplit("-", 1)[-1]) - 1) % self._num_sites
         meta = dict(input.meta)
         meta["round"] = meta.get("current_round") or 0
