@@ -12,6 +12,9 @@ The Rust runtime keeps the links and heartbeats on its own threads; they never w
 for the GIL. Blobs arrive as read-only buffers over shared memory
 (`np.frombuffer(blob)` copies nothing) and can be produced in place
 (`rankexec.SharedBuffer`). `rankexec.tensors` packs and unpacks state dicts.
+
+`rankexec.__version__` is the version of the Rust crates it was built from (the
+workspace's), the same that `rankexec --version` prints.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from rankexec._rankexec import (
     SharedBuffer,
     Task,
     TaskAborted,
+    __version__,
 )
 from rankexec._shareable import Shareable
 
@@ -53,6 +57,7 @@ __all__ = [
     "SharedBuffer",
     "Task",
     "TaskAborted",
+    "__version__",
     "init",
 ]
 
