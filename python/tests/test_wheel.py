@@ -39,7 +39,11 @@ def _pip_cache() -> str:
     if os.environ.get("PIP_CACHE_DIR"):
         return os.environ["PIP_CACHE_DIR"]
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pip", "cache", "dir"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     if out.returncode == 0 and out.stdout.strip():
         return out.stdout.strip()
@@ -54,6 +58,7 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
         [str(REPO / "scripts" / "wheel.sh"), "--profile", "wheel-test", "--out", str(out)],
+        check=False,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -61,7 +66,7 @@ def wheel(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, f"scripts/wheel.sh failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     print(proc.stdout)
-    m = re.search(r"^wheel: (\S+\.whl) ", proc.stdout, re.M)
+    m = re.search(r"^wheel: (\S+\.whl) ", proc.stdout, re.MULTILINE)
     assert m, proc.stdout
     return Path(m.group(1))
 
@@ -95,6 +100,7 @@ class CleanEnv:
     def run(self, *args: str, cap: float = RUN_CAP_S, check: bool = True, **kw):
         proc = subprocess.run(
             list(args),
+            check=False,
             cwd=kw.pop("cwd", self.cwd),
             env=self.env,
             capture_output=True,
@@ -148,10 +154,13 @@ def test_the_wheel_is_abi3_manylinux_and_auditwheel_accepts_it(wheel):
     print(f"wheel: {name} ({wheel.stat().st_size / 2**20:.1f} MiB)")
     assert re.fullmatch(rf"rankexec-{WORKSPACE_VERSION}-cp311-abi3-manylinux\S+\.whl", name), name
     with zipfile.ZipFile(wheel) as z:
-        tags = re.findall(r"^Tag: (\S+)$", z.read(_dist_info(z) + "WHEEL").decode(), re.M)
+        tags = re.findall(r"^Tag: (\S+)$", z.read(_dist_info(z) + "WHEEL").decode(), re.MULTILINE)
         files = {i.filename: i for i in z.infolist()}
     print("tags:", tags)
-    assert tags and all(re.fullmatch(r"cp311-abi3-manylinux_2_\d+_x86_64|cp311-abi3-manylinux2014_x86_64", t) for t in tags), tags
+    assert tags and all(
+        re.fullmatch(r"cp311-abi3-manylinux_2_\d+_x86_64|cp311-abi3-manylinux2014_x86_64", t)
+        for t in tags
+    ), tags
     for binary in ("rankexec/_bin/rankexec", "rankexec/_bin/rankexec-worker"):
         assert binary in files, sorted(files)
         assert files[binary].external_attr >> 16 & 0o111, f"{binary} is not executable"
@@ -159,12 +168,18 @@ def test_the_wheel_is_abi3_manylinux_and_auditwheel_accepts_it(wheel):
         assert typed in files, sorted(files)
     auditwheel = TARGET / "wheel-tools" / "bin" / "auditwheel"
     shown = subprocess.run(
-        [str(auditwheel), "show", str(wheel)], capture_output=True, text=True, timeout=300
+        [str(auditwheel), "show", str(wheel)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     print(shown.stdout)
     assert shown.returncode == 0, shown.stderr
     text = " ".join(shown.stdout.split())
-    m = re.search(r'is consistent with the following platform tag: "(manylinux_2_(\d+)_x86_64)"', text)
+    m = re.search(
+        r'is consistent with the following platform tag: "(manylinux_2_(\d+)_x86_64)"', text
+    )
     assert m, text
     # Older than this Debian 12 build machine's glibc (2.36), and no library of its own:
     # nothing outside the manylinux policy's system libraries.
@@ -223,7 +238,7 @@ class Waiter:
         )
 '''
 
-HOST = '''
+HOST = """
 import json
 import os
 import pathlib
@@ -279,7 +294,7 @@ with RankGroup(echo, workspace=str(here / "ws")) as group:
     out["echo"] = group.execute("t", {"x": 2}).meta
 out["rust_alive_after_close"] = [p for p in rust_pids if alive(p)]
 print(json.dumps(out))
-'''
+"""
 
 
 def test_a_rank_group_runs_from_the_installed_wheel(clean):
@@ -306,8 +321,10 @@ def test_the_rankexec_command_runs_jobs_without_a_checkout(clean):
     meta = clean.run(
         clean.python, "-c", "import importlib.metadata as m; print(m.version('rankexec'))"
     )
-    print(f"{version!r}, rankexec.__version__ {py_version.stdout.strip()}, "
-          f"dist {meta.stdout.strip()}, workspace {WORKSPACE_VERSION}")
+    print(
+        f"{version!r}, rankexec.__version__ {py_version.stdout.strip()}, "
+        f"dist {meta.stdout.strip()}, workspace {WORKSPACE_VERSION}"
+    )
     assert version == f"rankexec {WORKSPACE_VERSION}"
     assert py_version.stdout.strip() == meta.stdout.strip() == WORKSPACE_VERSION
 
@@ -318,7 +335,7 @@ def test_the_rankexec_command_runs_jobs_without_a_checkout(clean):
         "rankexec", "run", "-n", "2", "--component", "Echo", "--meta", '{"x": 5}', "--rounds", "2"
     )
     print(run.stdout)
-    assert 'round 1: ok' in run.stdout and '"x":5' in run.stdout, run.stdout
+    assert "round 1: ok" in run.stdout and '"x":5' in run.stdout, run.stdout
 
     # Python ranks from a config file, as the README's example runs them.
     (clean.cwd / "comp.py").write_text(COMPONENT)
@@ -334,7 +351,7 @@ def test_the_rankexec_command_runs_jobs_without_a_checkout(clean):
         "rankexec", "run", "--config", "component.json", "--task", "hello", "--rounds", "2"
     )
     print(run.stdout)
-    assert 'round 1: ok' in run.stdout and '"world_size":2' in run.stdout, run.stdout
+    assert "round 1: ok" in run.stdout and '"world_size":2' in run.stdout, run.stdout
     assert clean.live_processes() == []
 
 
@@ -350,10 +367,19 @@ def test_the_flare_example_runs_under_nvflare_simulator_from_the_wheel(clean):
     clean.run(clean.python, "-m", "rankexec.flare", "allow-list", str(ws))
     sim = clean.run(
         str(clean.venv / "bin" / "nvflare"),
-        "simulator", str(job), "-w", str(ws), "-n", "2", "-t", "2",
+        "simulator",
+        str(job),
+        "-w",
+        str(ws),
+        "-n",
+        "2",
+        "-t",
+        "2",
         check=False,
     )
-    assert sim.returncode == 0, f"simulator exited {sim.returncode}:\n{sim.stdout[-4000:]}\n{sim.stderr[-4000:]}"
+    assert sim.returncode == 0, (
+        f"simulator exited {sim.returncode}:\n{sim.stdout[-4000:]}\n{sim.stderr[-4000:]}"
+    )
     assert_no_errors(ws)
     model = clean.run(
         clean.python,

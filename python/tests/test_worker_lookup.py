@@ -9,17 +9,39 @@ PATH. For a Python host that executable is the interpreter's real file: for a ve
 
 from __future__ import annotations
 
-import os
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 from conftest import COMPONENTS, pid_alive
 
+import rankexec
 from rankexec import _paths
+
+HOST = """
+import json, os, sys
 from rankexec.host import RankGroup
 
+config = json.loads(sys.argv[1])
+with RankGroup(config, workspace=sys.argv[2]) as group:
+    group.start()
+    pids = group.pids()
+    programs = sorted({os.readlink(f"/proc/{p}/exe") for p in pids})
+    meta = group.execute("t", {"x": 1}).meta
+print(json.dumps({"pids": pids, "programs": programs, "meta": meta}))
+"""
 
-def test_python_names_this_environments_interpreter(tmp_path):
+
+def test_python_names_the_hosts_venv_interpreter(tmp_path):
+    # A venv as `python -m venv` makes it: bin/python is a link to the base interpreter,
+    # whose own folder has a `python` without this package. The package is on the venv's
+    # path through a .pth file (as `maturin develop` installs it).
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", "--symlinks", str(venv)], check=True)
+    (site,) = venv.glob("lib/python3*/site-packages")
+    (site / "rankexec.pth").write_text(str(Path(rankexec.__file__).resolve().parents[1]) + "\n")
     config = {
         "executor_id": "e",
         "num_of_processes": 2,
@@ -27,15 +49,19 @@ def test_python_names_this_environments_interpreter(tmp_path):
         "worker": {"program": "python", "args": ["-m", "rankexec.worker"]},
         "gpu": {"mode": "none"},
     }
-    with RankGroup(config, workspace=str(tmp_path)) as group:
-        group.start()
-        pids = group.pids()
-        programs = {os.readlink(f"/proc/{p}/exe") for p in pids}
-        meta = group.execute("t", {"x": 1}).meta
-    print(f"sys.executable {sys.executable}; ranks run {sorted(programs)}; rank 0: {meta}")
-    assert meta["world_size"] == 2 and meta["x"] == 1
-    assert programs == {os.path.realpath(sys.executable)}
-    assert not any(pid_alive(p) for p in pids)
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", HOST, json.dumps(config), str(tmp_path / "ws")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"host {venv / 'bin' / 'python'}: ranks run {out['programs']}; rank 0: {out['meta']}")
+    assert out["meta"]["world_size"] == 2 and out["meta"]["x"] == 1
+    assert not any(pid_alive(p) for p in out["pids"])
 
 
 def test_resolve_worker_rewrites_bare_names_only():

@@ -44,9 +44,10 @@ impl Cli {
             Command::Run(a) => run::run(a),
             Command::Gpus(a) => gpus::run(a),
             Command::Bench(a) => bench::run(a),
-            Command::Worker { args } => {
-                Ok(rankexec::sub_worker::main_with_args(worker_registry(), args))
-            }
+            Command::Worker { args } => Ok(rankexec::sub_worker::main_with_args(
+                worker_registry(),
+                args,
+            )),
         }
     }
 }
