@@ -15,7 +15,10 @@ name found in neither place is left to the executor (next to the real executable
 ``PATH``), as before.
 
 A package built from a checkout (``maturin develop``, ``pip install ./python``) or from
-the sdist has no ``_bin/``: ``binary`` returns None there.
+the sdist has no ``_bin/``: ``binary`` returns None there, and ``command`` (what the
+``rankexec`` console command runs) falls back to the checkout's ``target/release`` (a
+``maturin develop`` install), then to another ``rankexec`` on ``PATH`` (``cargo
+install``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BIN_DIR", "PACKAGED", "binary", "resolve_worker"]
+__all__ = ["BIN_DIR", "PACKAGED", "binary", "command", "resolve_worker"]
 
 BIN_DIR = Path(__file__).resolve().parent / "_bin"
 # The programs the wheel ships, by the names job configurations use.
@@ -46,6 +49,30 @@ def binary(name: str) -> str | None:
         return None
     path = BIN_DIR / name
     return str(path) if _executable(path) else None
+
+
+def command(skip: str | None = None) -> str | None:
+    """The ``rankexec`` binary the console command runs: the packaged one; else, in a
+    checkout's development install, ``target/release/rankexec`` (``CARGO_TARGET_DIR``
+    honoured); else the first ``rankexec`` on ``PATH`` that is not ``skip`` (the console
+    script itself). None when there is none."""
+    packaged = binary("rankexec")
+    if packaged is not None:
+        return packaged
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "Cargo.toml").is_file() and (repo / "python" / "pyproject.toml").is_file():
+        target = Path(os.environ.get("CARGO_TARGET_DIR") or repo / "target")
+        if not target.is_absolute():
+            target = repo / target
+        built = target / "release" / "rankexec"
+        if _executable(built):
+            return str(built)
+    me = os.path.realpath(skip) if skip else None
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(folder or ".") / "rankexec"
+        if _executable(candidate) and os.path.realpath(candidate) != me:
+            return str(candidate)
+    return None
 
 
 def _beside_interpreter(name: str) -> str | None:

@@ -10,6 +10,7 @@ PATH. For a Python host that executable is the interpreter's real file: for a ve
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,45 @@ def test_resolve_worker_rewrites_bare_names_only():
     # A checkout's package has no _bin/: the default worker is left to the executor.
     assert _paths.binary("rankexec-worker") is None
     assert _paths.resolve_worker({}) == {}
+
+
+def _console_script() -> Path:
+    script = Path(sys.executable).parent / "rankexec"
+    assert script.is_file(), f"{script} is missing: install the package (maturin develop)"
+    return script
+
+
+def test_the_console_command_of_a_checkout_install_runs_the_checkouts_build():
+    # `maturin develop` installs the `rankexec` console script but no _bin/: it runs
+    # target/release/rankexec (scripts/test.sh builds it), here without PATH's help.
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    out = subprocess.run(
+        [str(_console_script()), "--version"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    print(out.stdout, out.stderr)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"rankexec {rankexec.__version__}"
+
+
+def test_the_console_command_without_any_binary_says_what_to_do(tmp_path):
+    env = {
+        **os.environ,
+        "PATH": str(Path(sys.executable).parent),
+        "CARGO_TARGET_DIR": str(tmp_path),  # an empty target folder: no release build
+    }
+    out = subprocess.run(
+        [str(_console_script()), "--version"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    print(out.returncode, out.stderr)
+    assert out.returncode == 127
+    assert "carries no `rankexec` binary" in out.stderr
