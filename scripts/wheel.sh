@@ -81,20 +81,25 @@ BIN_STAGE=python/rankexec/_bin
 # must not install stale ones.
 trap 'rm -rf "$BIN_STAGE"' EXIT
 rm -rf "$BIN_STAGE"
+# cargo-zigbuild and maturin's zig each link through a wrapper of their own, and cargo
+# rebuilds everything when the linker changes: each gets a target folder of its own, so
+# a second build is incremental.
+BIN_TARGET="$TARGET_DIR/wheel-build/bins"
+EXT_TARGET="$TARGET_DIR/wheel-build/ext"
 say "cargo zigbuild --profile $PROFILE --target $TRIPLE.$GLIBC: rankexec (no examples), rankexec-worker"
-cargo zigbuild --locked --profile "$PROFILE" --target "$TRIPLE.$GLIBC" \
-    -p rankexec -p rankexec-sub-worker --no-default-features \
+CARGO_TARGET_DIR="$BIN_TARGET" cargo zigbuild --locked --profile "$PROFILE" \
+    --target "$TRIPLE.$GLIBC" -p rankexec -p rankexec-sub-worker --no-default-features \
     --bin rankexec --bin rankexec-worker
 mkdir -p "$BIN_STAGE"
 for b in rankexec rankexec-worker; do
-    install -m 0755 "$TARGET_DIR/$TRIPLE/$PROFILE/$b" "$BIN_STAGE/$b"
+    install -m 0755 "$BIN_TARGET/$TRIPLE/$PROFILE/$b" "$BIN_STAGE/$b"
 done
 
 # --- the wheel and the sdist ----------------------------------------------------------
 rm -f "$OUT"/rankexec-*.whl "$OUT"/rankexec-*.tar.gz
 say "maturin build --profile $PROFILE --zig --compatibility $POLICY"
-maturin build --locked --profile "$PROFILE" --zig --target "$TRIPLE" \
-    --compatibility "$POLICY" -m python/Cargo.toml --out "$OUT"
+CARGO_TARGET_DIR="$EXT_TARGET" maturin build --locked --profile "$PROFILE" --zig \
+    --target "$TRIPLE" --compatibility "$POLICY" -m python/Cargo.toml --out "$OUT"
 say "maturin sdist"
 maturin sdist -m python/Cargo.toml --out "$OUT"
 
