@@ -156,7 +156,20 @@ def test_the_wheel_is_abi3_manylinux_and_auditwheel_accepts_it(wheel):
     with zipfile.ZipFile(wheel) as z:
         tags = re.findall(r"^Tag: (\S+)$", z.read(_dist_info(z) + "WHEEL").decode(), re.MULTILINE)
         files = {i.filename: i for i in z.infolist()}
+        metadata = z.read(_dist_info(z) + "METADATA").decode()
     print("tags:", tags)
+    # Nothing by default; each extra brings what its face imports.
+    requires = sorted(
+        " ".join(r.split()) for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
+    )
+    print("requires:", requires)
+    assert requires == [
+        "numpy>=1.26 ; extra == 'flare'",
+        "numpy>=1.26 ; extra == 'numpy'",
+        "numpy>=1.26 ; extra == 'torch'",
+        "nvflare==2.9.0 ; extra == 'flare'",
+        "torch>=2.4 ; extra == 'torch'",
+    ], requires
     assert tags and all(
         re.fullmatch(r"cp311-abi3-manylinux_2_\d+_x86_64|cp311-abi3-manylinux2014_x86_64", t)
         for t in tags
