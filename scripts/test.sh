@@ -14,8 +14,9 @@
 #   3. runs `cargo test --workspace [--features mpi]` with the venv's bin first on PATH
 #      (tests that drive python or torchrun find them there);
 #   4. builds the release binaries the Python tests drive, runs `python -m pytest
-#      python/tests -q` (python/tests/flare runs the real `nvflare simulator`), then
-#      ruff, mypy's stubtest and mypy on the Python sources.
+#      python/tests -q` (python/tests/flare runs the real `nvflare simulator`;
+#      python/tests/test_wheel.py builds the wheel with scripts/wheel.sh and tests it in
+#      a clean venv), then ruff, mypy's stubtest and mypy on the Python sources.
 #
 # Environment:
 #   RANKEXEC_SKIP_PY=1     skip the Python part (no venv, no pytest, no ruff)

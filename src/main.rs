@@ -11,10 +11,7 @@ fn main() -> ExitCode {
     // reads its environment.
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("worker") {
-        return rankexec::sub_worker::main_with_args(
-            rankexec_examples::worker_registry(),
-            args[2..].to_vec(),
-        );
+        return rankexec::sub_worker::main_with_args(cli::worker_registry(), args[2..].to_vec());
     }
     let cli = cli::Cli::parse();
     match cli.run() {

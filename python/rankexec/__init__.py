@@ -13,6 +13,9 @@ Your code (building components, event handlers, tasks) runs on the thread that c
 heartbeats on its own threads, which never wait for the GIL. Blobs arrive as read-only buffers over shared memory
 (`np.frombuffer(blob)` copies nothing) and can be produced in place
 (`rankexec.SharedBuffer`). `rankexec.tensors` packs and unpacks state dicts.
+
+`rankexec.__version__` is the version of the Rust crates it was built from (the
+workspace's), the same that `rankexec --version` prints.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rankexec._rankexec import (
     SharedBuffer,
     Task,
     TaskAborted,
+    __version__,
 )
 from rankexec._shareable import Shareable
 
@@ -54,6 +58,7 @@ __all__ = [
     "SharedBuffer",
     "Task",
     "TaskAborted",
+    "__version__",
     "init",
 ]
 

@@ -23,9 +23,12 @@ __all__ = [
     "Task",
     "TaskAborted",
     "_HostGroup",
+    "__version__",
     "start",
     "worker_cli",
 ]
+
+__version__: str
 
 class RankexecError(Exception): ...
 class NotARank(RankexecError): ...

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 from rankexec import _rankexec
+from rankexec._paths import resolve_worker
 
 __all__ = [
     "Aborted",
@@ -144,6 +145,11 @@ class RankGroup:
 
     Use as a context manager, or call ``close()``: it tears the group down and reports
     what it stopped.
+
+    A worker program named ``rankexec-worker`` (the default) or ``rankexec`` without a
+    path runs the binary the wheel ships in ``rankexec/_bin/`` when there is one; another
+    bare name (``python``) is looked up next to ``sys.executable`` first, so ``python``
+    is this environment's interpreter.
     """
 
     def __init__(
@@ -156,7 +162,7 @@ class RankGroup:
         workspace: str | None = None,
     ) -> None:
         try:
-            text = json.dumps(config)
+            text = json.dumps(resolve_worker(config))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the configuration is not JSON: {e}") from e
         self._native = _rankexec._HostGroup(

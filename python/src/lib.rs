@@ -22,6 +22,9 @@ mod value;
 /// The extension module.
 #[pymodule]
 fn _rankexec(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The workspace version: the wheel's version (maturin reads it from Cargo.toml) and
+    // `rankexec --version` come from the same line.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     rank::register(m)?;
     host::register(m)?;
     Ok(())

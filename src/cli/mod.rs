@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use rankexec::protocol::Registry;
 
 mod bench;
 mod gpus;
@@ -27,7 +28,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Print this host's GPUs as NVML reports them (or why there are none).
     Gpus(gpus::GpusArgs),
-    /// Run as a rank with the built-in and example components (the executor starts it).
+    /// Run as a rank with the built-in components, and the example ones when built with
+    /// them (the executor starts it).
     Worker {
         /// Worker arguments (`--list-components`, `--check-components`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -43,9 +45,24 @@ impl Cli {
             Command::Gpus(a) => gpus::run(a),
             Command::Bench(a) => bench::run(a),
             Command::Worker { args } => Ok(rankexec::sub_worker::main_with_args(
-                rankexec_examples::worker_registry(),
+                worker_registry(),
                 args,
             )),
         }
+    }
+}
+
+/// What `rankexec worker` serves and `rankexec simulate` checks jobs against: the
+/// built-in components, plus the example trainers when the binary is built with the
+/// `examples` feature (the default in a checkout; the Python wheel's CLI is built
+/// without it and links no example).
+pub fn worker_registry() -> Registry {
+    #[cfg(feature = "examples")]
+    {
+        rankexec_examples::worker_registry()
+    }
+    #[cfg(not(feature = "examples"))]
+    {
+        rankexec::sub_worker::builtins::registry()
     }
 }

@@ -91,7 +91,7 @@ fn print_summary(s: &Summary) {
 }
 
 pub fn run(a: SimulateArgs) -> anyhow::Result<ExitCode> {
-    let registry = rankexec_examples::worker_registry();
+    let registry = super::worker_registry();
     let job = match rankexec::job::load(&a.job, &registry) {
         Ok(j) => j,
         Err(e) => {

@@ -1,0 +1,412 @@
+"""The wheel as a site installs it: built by `scripts/wheel.sh`, installed into a clean
+virtual environment, run with no Rust, no checkout and an empty HOME.
+
+The module builds the wheel once (`scripts/wheel.sh --profile wheel-test`: the real
+command with a profile that compiles faster; `RANKEXEC_WHEEL=path.whl` tests a wheel
+built before, e.g. the release one), makes a venv without system site-packages, installs
+the wheel with pip (from pip's own cache when it has the packages: `PIP_CACHE_DIR` is
+passed on, since HOME is empty), and runs everything from a directory outside the
+checkout with `PATH` = the venv's bin, /usr/bin, /bin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TARGET, pid_alive
+
+# Generous caps for a busy 2-core machine; a cold wheel-test build takes a few minutes.
+BUILD_CAP_S = float(os.environ.get("RANKEXEC_WHEEL_BUILD_CAP", "1500"))
+PIP_CAP_S = 900.0
+RUN_CAP_S = 300.0
+WORKSPACE_VERSION = tomllib.loads((REPO / "Cargo.toml").read_text())["workspace"]["package"][
+    "version"
+]
+INITIAL = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def _pip_cache() -> str:
+    """pip's cache of the user running the tests (the clean env's HOME is empty)."""
+    if os.environ.get("PIP_CACHE_DIR"):
+        return os.environ["PIP_CACHE_DIR"]
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "cache", "dir"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return str(Path.home() / ".cache" / "pip")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    prebuilt = os.environ.get("RANKEXEC_WHEEL")
+    if prebuilt:
+        return Path(prebuilt).resolve()
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "wheel.sh"), "--profile", "wheel-test", "--out", str(out)],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_CAP_S,
+    )
+    assert proc.returncode == 0, f"scripts/wheel.sh failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    print(proc.stdout)
+    m = re.search(r"^wheel: (\S+\.whl) ", proc.stdout, re.MULTILINE)
+    assert m, proc.stdout
+    return Path(m.group(1))
+
+
+class CleanEnv:
+    """A venv with the wheel installed, and the environment a site's shell would have."""
+
+    def __init__(self, root: Path, wheel: Path) -> None:
+        self.root = root
+        self.wheel = wheel
+        self.venv = root / "venv"
+        self.home = root / "home"
+        self.cwd = root / "work"  # outside the checkout
+        self.home.mkdir()
+        self.cwd.mkdir()
+        self.env = {
+            "PATH": os.pathsep.join([str(self.venv / "bin"), "/usr/bin", "/bin"]),
+            "HOME": str(self.home),
+            "PIP_CACHE_DIR": _pip_cache(),
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "PIP_NO_INPUT": "1",
+            "LANG": "C.UTF-8",
+            "TMPDIR": str(root),
+            "RANKEXEC_LOG": "warn",
+        }
+        # A venv of the interpreter itself, not of the venv the tests run in.
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(self.venv)], check=True, timeout=PIP_CAP_S)
+        self.python = str(self.venv / "bin" / "python")
+
+    def run(self, *args: str, cap: float = RUN_CAP_S, check: bool = True, **kw):
+        proc = subprocess.run(
+            list(args),
+            check=False,
+            cwd=kw.pop("cwd", self.cwd),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=cap,
+            **kw,
+        )
+        if check:
+            assert proc.returncode == 0, (
+                f"{args} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
+        return proc
+
+    def pip_install(self, *reqs: str) -> None:
+        self.run(self.python, "-m", "pip", "install", "-q", *reqs, cap=PIP_CAP_S)
+
+    def installed(self) -> set[str]:
+        out = self.run(self.python, "-m", "pip", "list", "--format=json").stdout
+        return {p["name"].lower() for p in json.loads(out)}
+
+    def live_processes(self) -> list[str]:
+        """Live processes started from this venv (a rank's command line names its program:
+        the venv's python or the packaged rankexec-worker)."""
+        needle = str(self.venv).encode()
+        found = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                cmdline = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in cmdline and pid_alive(int(d.name)):
+                args = cmdline.replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{d.name}: {args}")
+        return found
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, wheel) -> CleanEnv:
+    env = CleanEnv(tmp_path_factory.mktemp("clean"), wheel)
+    for tool in ("cargo", "rustc", "rustup", "rankexec", "rankexec-worker", "maturin"):
+        found = shutil.which(tool, path=env.env["PATH"])
+        assert found is None, f"the clean PATH has {tool}: {found}"
+    env.pip_install(str(wheel))
+    return env
+
+
+def test_the_wheel_is_abi3_manylinux_and_auditwheel_accepts_it(wheel):
+    name = wheel.name
+    print(f"wheel: {name} ({wheel.stat().st_size / 2**20:.1f} MiB)")
+    assert re.fullmatch(rf"rankexec-{WORKSPACE_VERSION}-cp311-abi3-manylinux\S+\.whl", name), name
+    with zipfile.ZipFile(wheel) as z:
+        tags = re.findall(r"^Tag: (\S+)$", z.read(_dist_info(z) + "WHEEL").decode(), re.MULTILINE)
+        files = {i.filename: i for i in z.infolist()}
+        metadata = z.read(_dist_info(z) + "METADATA").decode()
+    print("tags:", tags)
+    # Nothing by default; each extra brings what its face imports.
+    requires = sorted(
+        " ".join(r.split()) for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
+    )
+    print("requires:", requires)
+    assert requires == [
+        "numpy>=1.26 ; extra == 'flare'",
+        "numpy>=1.26 ; extra == 'numpy'",
+        "numpy>=1.26 ; extra == 'torch'",
+        "nvflare==2.9.0 ; extra == 'flare'",
+        "torch>=2.4 ; extra == 'torch'",
+    ], requires
+    assert tags and all(
+        re.fullmatch(r"cp311-abi3-manylinux_2_\d+_x86_64|cp311-abi3-manylinux2014_x86_64", t)
+        for t in tags
+    ), tags
+    for binary in ("rankexec/_bin/rankexec", "rankexec/_bin/rankexec-worker"):
+        assert binary in files, sorted(files)
+        assert files[binary].external_attr >> 16 & 0o111, f"{binary} is not executable"
+    for typed in ("rankexec/py.typed", "rankexec/_rankexec.pyi"):
+        assert typed in files, sorted(files)
+    auditwheel = TARGET / "wheel-tools" / "bin" / "auditwheel"
+    shown = subprocess.run(
+        [str(auditwheel), "show", str(wheel)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(shown.stdout)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    m = re.search(
+        r'is consistent with the following platform tag: "(manylinux_2_(\d+)_x86_64)"', text
+    )
+    assert m, text
+    # Older than this Debian 12 build machine's glibc (2.36), and no library of its own:
+    # nothing outside the manylinux policy's system libraries.
+    assert int(m.group(2)) < 36, m.group(1)
+    assert "external shared libraries" not in text, text
+
+
+def _dist_info(z: zipfile.ZipFile) -> str:
+    return next(n.split("/")[0] + "/" for n in z.namelist() if ".dist-info/" in n)
+
+
+def test_installing_the_wheel_alone_pulls_no_other_package(clean):
+    installed = clean.installed()
+    print("installed:", sorted(installed))
+    assert installed - {"pip", "setuptools", "wheel"} == {"rankexec"}
+    probe = clean.run(
+        clean.python,
+        "-c",
+        "import sys, rankexec, rankexec.host, rankexec.worker, rankexec.flare.arrays as _\n"
+        "print(rankexec.__file__)\n",
+        check=False,
+    )
+    # rankexec.flare.arrays needs numpy, which the `flare` extra brings: without it the
+    # import fails, and only there.
+    assert "No module named 'numpy'" in probe.stderr, probe.stderr
+    probe = clean.run(
+        clean.python,
+        "-c",
+        "import sys, rankexec, rankexec.host, rankexec.worker\n"
+        "assert 'numpy' not in sys.modules\nprint(rankexec.__file__)\n",
+    )
+    assert probe.stdout.strip().startswith(str(clean.venv)), probe.stdout
+
+
+COMPONENT = '''
+import os
+import pathlib
+
+import rankexec
+
+
+class Waiter:
+    """`hello` answers at once; `wait` marks that it started, then waits for the abort."""
+
+    def __init__(self, marks: str) -> None:
+        self.marks = pathlib.Path(marks)
+
+    def execute(self, task, input, ctx, abort):
+        if task == "wait":
+            (self.marks / f"started-{ctx.rank}").touch()
+            if abort.wait(120):
+                raise rankexec.TaskAborted(abort.reason or "aborted")
+            raise RuntimeError("no abort within 120 s")
+        return rankexec.Shareable(
+            meta={"rank": ctx.rank, "world_size": ctx.world_size, "task": task, "pid": os.getpid()}
+        )
+'''
+
+HOST = """
+import json
+import os
+import pathlib
+
+import rankexec
+from rankexec.host import Aborted, RankGroup
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+here = pathlib.Path.cwd()
+marks = here / "marks"
+marks.mkdir()
+out = {"version": rankexec.__version__, "file": rankexec.__file__}
+config = {
+    "executor_id": "w",
+    "num_of_processes": 2,
+    "components": [{"id": "w", "path": "comp.py:Waiter", "args": {"marks": str(marks)}}],
+    "worker": {"program": "python", "args": ["-m", "rankexec.worker"]},
+    "gpu": {"mode": "none"},
+}
+with RankGroup(config, workspace=str(here / "ws")) as group:
+    group.start()
+    pids = group.pids()
+    out["hello"] = group.execute("hello", {"x": 1}).meta
+    try:
+        group.execute(
+            "wait",
+            abort_check=lambda: len(list(marks.iterdir())) == 2,
+            abort_reason="the test aborts",
+        )
+        out["abort"] = "no Aborted raised"
+    except Aborted as e:
+        out["abort"] = {"reason": e.reason, "forced": e.forced}
+    out["after_abort"] = group.execute("hello").meta
+    out["closed"] = group.close()
+out["pids"] = pids
+out["alive_after_close"] = [p for p in pids if alive(p)]
+
+# Rust ranks: the default worker program, `rankexec-worker`, is the packaged binary.
+echo = {"executor_id": "e", "num_of_processes": 2,
+        "components": [{"id": "e", "path": "Echo"}], "gpu": {"mode": "none"}}
+with RankGroup(echo, workspace=str(here / "ws")) as group:
+    group.start()
+    rust_pids = group.pids()
+    out["rust_exe"] = sorted({os.readlink(f"/proc/{p}/exe") for p in rust_pids})
+    out["echo"] = group.execute("t", {"x": 2}).meta
+out["rust_alive_after_close"] = [p for p in rust_pids if alive(p)]
+print(json.dumps(out))
+"""
+
+
+def test_a_rank_group_runs_from_the_installed_wheel(clean):
+    (clean.cwd / "comp.py").write_text(COMPONENT)
+    (clean.cwd / "host.py").write_text(HOST)
+    proc = clean.run(clean.python, "host.py")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(out, indent=1))
+    assert out["file"].startswith(str(clean.venv)), out["file"]
+    assert out["hello"]["world_size"] == 2 and out["hello"]["rank"] == 0
+    assert out["abort"] == {"reason": "the test aborts", "forced": False}, out["abort"]
+    assert out["after_abort"]["task"] == "hello"
+    assert len(out["pids"]) == 2 and out["alive_after_close"] == [], out
+    packaged = clean.venv.glob("lib/python3*/site-packages/rankexec/_bin/rankexec-worker")
+    assert out["rust_exe"] == [str(p) for p in packaged], out["rust_exe"]
+    assert out["echo"]["x"] == 2
+    assert out["rust_alive_after_close"] == []
+    assert clean.live_processes() == []
+
+
+def test_the_rankexec_command_runs_jobs_without_a_checkout(clean):
+    version = clean.run("rankexec", "--version").stdout.strip()
+    py_version = clean.run(clean.python, "-c", "import rankexec; print(rankexec.__version__)")
+    meta = clean.run(
+        clean.python, "-c", "import importlib.metadata as m; print(m.version('rankexec'))"
+    )
+    print(
+        f"{version!r}, rankexec.__version__ {py_version.stdout.strip()}, "
+        f"dist {meta.stdout.strip()}, workspace {WORKSPACE_VERSION}"
+    )
+    assert version == f"rankexec {WORKSPACE_VERSION}"
+    assert py_version.stdout.strip() == meta.stdout.strip() == WORKSPACE_VERSION
+
+    # The CLI's own ranks (`rankexec worker`: the built-in components, no example).
+    listed = clean.run("rankexec", "worker", "--list-components").stdout
+    assert "Echo" in listed and "DigitsTrainer" not in listed, listed
+    run = clean.run(
+        "rankexec", "run", "-n", "2", "--component", "Echo", "--meta", '{"x": 5}', "--rounds", "2"
+    )
+    print(run.stdout)
+    assert "round 1: ok" in run.stdout and '"x":5' in run.stdout, run.stdout
+
+    # Python ranks from a config file, as the README's example runs them.
+    (clean.cwd / "comp.py").write_text(COMPONENT)
+    config = {
+        "executor_id": "w",
+        "num_of_processes": 2,
+        "worker": {"program": "python", "args": ["-m", "rankexec.worker"]},
+        "components": [{"id": "w", "path": "comp.py:Waiter", "args": {"marks": "."}}],
+        "gpu": {"mode": "none"},
+    }
+    (clean.cwd / "component.json").write_text(json.dumps(config))
+    run = clean.run(
+        "rankexec", "run", "--config", "component.json", "--task", "hello", "--rounds", "2"
+    )
+    print(run.stdout)
+    assert "round 1: ok" in run.stdout and '"world_size":2' in run.stdout, run.stdout
+    assert clean.live_processes() == []
+
+
+def test_the_flare_example_runs_under_nvflare_simulator_from_the_wheel(clean):
+    from flare.flare_helpers import assert_no_errors, rank_pids
+
+    clean.pip_install(f"{clean.wheel}[flare]")
+    installed = clean.installed()
+    assert {"nvflare", "numpy"} <= installed and "torch" not in installed, sorted(installed)
+    job = clean.cwd / "numpy-fedavg"
+    shutil.copytree(REPO / "examples" / "flare" / "numpy-fedavg", job)
+    ws = clean.cwd / "ws-numpy"
+    clean.run(clean.python, "-m", "rankexec.flare", "allow-list", str(ws))
+    sim = clean.run(
+        str(clean.venv / "bin" / "nvflare"),
+        "simulator",
+        str(job),
+        "-w",
+        str(ws),
+        "-n",
+        "2",
+        "-t",
+        "2",
+        check=False,
+    )
+    assert sim.returncode == 0, (
+        f"simulator exited {sim.returncode}:\n{sim.stdout[-4000:]}\n{sim.stderr[-4000:]}"
+    )
+    assert_no_errors(ws)
+    model = clean.run(
+        clean.python,
+        "-c",
+        "import numpy, sys; print(numpy.load(sys.argv[1]).tolist())",
+        str(ws / "server" / "simulate_job" / "models" / "server.npy"),
+    ).stdout.strip()
+    print("final model:", model)
+    # 3 rounds; every rank adds delta 1.0; FedAvg of equal client models is that model.
+    assert json.loads(model) == [[v + 3.0 for v in row] for row in INITIAL]
+    for site in ("site-1", "site-2"):
+        log = (ws / site / "log.txt").read_text(errors="replace")
+        m = re.search(r"rank group of 2 ready in ([\d.]+) ms", log)
+        assert m, log[-3000:]
+        print(f"{site}: 2 Python ranks ready in {m.group(1)} ms")
+    assert rank_pids(ws) == []
+    assert clean.live_processes() == []
