@@ -34,6 +34,7 @@ from rankexec._rankexec import (
     SharedBuffer,
     Task,
     TaskAborted,
+    ValueBoundsError,
 )
 from rankexec._shareable import Shareable
 
@@ -53,6 +54,7 @@ __all__ = [
     "SharedBuffer",
     "Task",
     "TaskAborted",
+    "ValueBoundsError",
     "init",
 ]
 

@@ -24,5 +24,6 @@ mod value;
 fn _rankexec(m: &Bound<'_, PyModule>) -> PyResult<()> {
     rank::register(m)?;
     host::register(m)?;
+    value::register(m)?;
     Ok(())
 }

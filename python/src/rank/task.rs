@@ -208,14 +208,23 @@ impl Context {
                 let _ = tx.send(r.map(|()| ctx));
             })
             .map_err(|e| EventFailed::new_err(format!("cannot start the event thread: {e}")))?;
-        // The engine's own deadline (the executor's event timeout) bounds the wait.
-        let got = wait_sliced(py, None, |slice| rx.recv_timeout(slice).ok())?;
+        // The engine's own deadline (the executor's event timeout) bounds the wait. A
+        // thread that ended without answering (it panicked) is an answer too: waiting
+        // on its closed channel would spin.
+        let got = wait_sliced(py, None, |slice| match rx.recv_timeout(slice) {
+            Ok(r) => Some(Some(r)),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Some(None),
+        })?;
         match got {
-            Some(Ok(back)) => {
+            Some(Some(Ok(back))) => {
                 *self.ctx.lock().unwrap_or_else(PoisonError::into_inner) = back;
                 Ok(())
             }
-            Some(Err(e)) => Err(EventFailed::new_err(rankexec_protocol::error_chain(&e))),
+            Some(Some(Err(e))) => Err(EventFailed::new_err(rankexec_protocol::error_chain(&e))),
+            Some(None) => Err(EventFailed::new_err(
+                "the event thread ended without an answer",
+            )),
             None => Err(EventFailed::new_err("the event was not answered")),
         }
     }
