@@ -36,8 +36,8 @@ fn assert_too_deep(err: &ExecuteError, path_prefix: &str) {
 #[test]
 fn too_deep_meta_or_props_fail_the_task_and_the_group_survives() {
     let logs = tempfile::tempdir().unwrap();
-    let exec = MultiProcessExecutor::new(config(2, "Echo", serde_json::json!({}), logs.path()))
-        .unwrap();
+    let exec =
+        MultiProcessExecutor::new(config(2, "Echo", serde_json::json!({}), logs.path())).unwrap();
     let mut ctx = start(&exec);
     let pids = exec.live_pids();
     assert_eq!(pids.len(), 2);

@@ -385,7 +385,10 @@ mod tests {
         let ValueError::TooDeep { path, max } = &err;
         assert_eq!(*max, MAX_DEPTH);
         assert!(path.starts_with("meta.x[1].k[1].k[1]"), "{path}");
-        assert!(err.to_string().ends_with(": nested deeper than 64"), "{err}");
+        assert!(
+            err.to_string().ends_with(": nested deeper than 64"),
+            "{err}"
+        );
         let bytes = codec::encode(&deep).expect("encode");
         assert!(codec::decode::<Value>(&bytes).is_err());
     }

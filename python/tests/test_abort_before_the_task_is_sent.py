@@ -9,10 +9,9 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import TARGET
 
 from rankexec.host import Aborted, RankGroup
-
-from conftest import TARGET
 
 WORKER = str(TARGET / "release" / "rankexec-worker")
 

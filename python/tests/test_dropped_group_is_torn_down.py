@@ -9,9 +9,9 @@ from __future__ import annotations
 import gc
 import os
 
-from rankexec.host import RankGroup
-
 from conftest import TARGET, pid_alive, wait_until
+
+from rankexec.host import RankGroup
 
 WORKER = str(TARGET / "release" / "rankexec-worker")
 
@@ -25,7 +25,6 @@ class Owner:
 
     def on_event(self, event, rank, props):
         self.events.append(event)
-        return None
 
 
 def test_a_group_in_a_reference_cycle_is_torn_down_by_the_collector(tmp_path):

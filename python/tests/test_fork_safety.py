@@ -15,10 +15,9 @@ import os
 
 import numpy as np
 import pytest
+from conftest import PYBIN, TARGET, executor_config, pid_alive, wait_until
 
 from rankexec.host import RankGroup
-
-from conftest import PYBIN, TARGET, executor_config, pid_alive, wait_until
 
 WORKER = str(TARGET / "release" / "rankexec-worker")
 
@@ -53,9 +52,12 @@ def test_rank_with_persistent_dataloader_workers_replies_with_shared_buffers(tmp
         assert all(pid_alive(p) for p in workers)
 
 
-def _block_until_closed(fd: int) -> None:
-    """A forked child: waits until the parent closes the pipe, then leaves."""
+def _block_until_closed(fd: int, others: list[int]) -> None:
+    """A forked child: closes the write ends it inherited (`others`), waits until the
+    parent closes its end of the pipe, then leaves."""
     try:
+        for w in others:
+            os.close(w)
         os.read(fd, 1)
     finally:
         os._exit(0)
@@ -93,7 +95,7 @@ def test_host_that_forks_between_tasks_still_sends_large_inputs(tmp_path):
                 r_fd, w_fd = os.pipe()
                 pid = os.fork()
                 if pid == 0:
-                    _block_until_closed(r_fd)
+                    _block_until_closed(r_fd, [*closers, w_fd])
                 os.close(r_fd)
                 children.append(pid)
                 closers.append(w_fd)
@@ -103,13 +105,14 @@ def test_host_that_forks_between_tasks_still_sends_large_inputs(tmp_path):
                 assert all(pid_alive(c) for c in children)
             assert g.pids() == pids
     finally:
+        # The pool's workers inherited the first child's write end: stop them first.
+        if pool is not None:
+            pool.terminate()
+            pool.join()
         for fd in closers:
             os.close(fd)
         for c in children:
             os.waitpid(c, 0)
-        if pool is not None:
-            pool.terminate()
-            pool.join()
 
 
 def wait_until_true(cond, timeout: float = 30) -> bool:

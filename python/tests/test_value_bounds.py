@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import COMPONENTS, PYBIN, TARGET, executor_config
 
 import rankexec
 from rankexec.host import RankFailed, RankGroup, ValueBoundsError
-
-from conftest import COMPONENTS, PYBIN, TARGET, executor_config
 
 WORKER = str(TARGET / "release" / "rankexec-worker")
 

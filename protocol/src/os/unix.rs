@@ -351,8 +351,8 @@ mod tests {
     fn a_file_still_mapped_writable_elsewhere_is_sealed_as_a_copy() {
         // A second writable shared mapping of the file, as a child forked before the
         // advice would hold, makes F_SEAL_WRITE fail with EBUSY.
-        let fd = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .unwrap();
+        let fd =
+            rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
         let len = (3 << 20) + 5; // more than one copy chunk, not a multiple of it
         rustix::fs::ftruncate(&fd, len as u64).unwrap();
         // SAFETY: test-only mapping of a file created just above; nothing else maps,
@@ -383,8 +383,8 @@ mod tests {
     fn sealing_succeeds_in_place_while_a_forked_child_lives() {
         // A child forked while the file is mapped writable does not inherit the mapping
         // (MADV_DONTFORK), so the parent seals the file itself, not a copy.
-        let fd = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .unwrap();
+        let fd =
+            rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
         rustix::fs::ftruncate(&fd, 4096).unwrap();
         // SAFETY: test-only mapping of a file created just above.
         let mut map = unsafe {

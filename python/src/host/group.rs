@@ -20,8 +20,8 @@ use std::time::Duration;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
 use pyo3::types::{PyDict, PyString};
+use pyo3::{PyTraverseError, PyVisit};
 use rankexec_executor::{ExecutorConfig, MultiProcessExecutor, TermSignal};
 use rankexec_protocol::{Engine, FlContext, PropFlags, Shareable, Signal, keys};
 
@@ -344,10 +344,10 @@ impl HostGroup {
     /// alive until the process exits.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         // Never wait here: whoever holds the lock holds it only briefly, with the GIL.
-        if let Ok(cb) = self.engine.callback.try_lock() {
-            if let Some(cb) = cb.as_ref() {
-                visit.call(cb)?;
-            }
+        if let Ok(cb) = self.engine.callback.try_lock()
+            && let Some(cb) = cb.as_ref()
+        {
+            visit.call(cb)?;
         }
         Ok(())
     }
