@@ -121,3 +121,53 @@ def wait_until_true(cond, timeout: float = 30) -> bool:
     except AssertionError:
         return False
     return True
+
+
+def test_rank_buffer_mapped_writable_by_user_code_is_sent_as_a_sealed_copy(tmp_path):
+    cfg = executor_config("forking:UserMappingRank", 1, log_dir=tmp_path)
+    with RankGroup(cfg, workspace=str(tmp_path)) as g:
+        g.start()
+        pids = g.pids()
+        for i in range(3):
+            r = g.execute("t", {"fill": 10 + i})
+            assert r.meta["copied"] is True
+            assert (np.frombuffer(r.blobs["out"], dtype=np.uint8) == 10 + i).all()
+        assert g.pids() == pids
+
+
+def test_host_staged_file_mapped_writable_by_user_code_is_sent_as_a_sealed_copy(tmp_path):
+    import mmap
+
+    size = 4 << 20
+    cfg = {
+        "executor_id": "u",
+        "num_of_processes": 2,
+        "components": [{"id": "u", "path": "Echo", "args": {}}],
+        "worker": {"program": WORKER},
+        "log_dir": str(tmp_path),
+    }
+    kept = []
+    with RankGroup(cfg, workspace=str(tmp_path)) as g:
+        g.start()
+        for i in range(3):
+            g.prepare([size])
+            assert g.staged_bytes == size
+            # Map every prepared memory file writable, as user code could.
+            for entry in os.listdir("/proc/self/fd"):
+                path = f"/proc/self/fd/{entry}"
+                try:
+                    if "memfd:rankexec-staged" not in os.readlink(path):
+                        continue
+                    fd = os.open(path, os.O_RDWR)
+                except OSError:
+                    continue
+                try:
+                    kept.append(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_WRITE))
+                finally:
+                    os.close(fd)
+            assert kept, "no prepared memory file found"
+            data = np.full(size, 20 + i, dtype=np.uint8)
+            r = g.execute("t", {}, {"w": data})
+            assert (np.frombuffer(r.blobs["w"], dtype=np.uint8) == 20 + i).all()
+    for m in kept:
+        m.close()

@@ -98,11 +98,13 @@ impl Stager {
                 continue;
             }
             match Prepared::new(len) {
-                Ok(p) => self
-                    .spare
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(p),
+                Ok(p) => {
+                    // Checked again: the background thread and `prepare()` may race.
+                    let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+                    if spare.iter().filter(|p| p.len() == len).count() < PER_SIZE {
+                        spare.push(p);
+                    }
+                }
                 Err(e) => tracing::warn!(len, "cannot prepare a memory file: {e}"),
             }
         }
