@@ -6,7 +6,9 @@
 //!
 //! Decoding is bounded: nested lists and maps deeper than [`MAX_DEPTH`] are refused
 //! with an error instead of overflowing the stack, so a malformed frame from a peer
-//! cannot crash the process.
+//! cannot crash the process. The sender checks the same bound first
+//! ([`Value::check_bounds`], [`check_map`]): a value the peer would refuse is refused
+//! where it is made, with its path, instead of breaking the connection.
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -83,7 +85,108 @@ where
     T::deserialize(deserializer)
 }
 
+/// Why a value cannot be sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    /// Lists and maps nest deeper than [`MAX_DEPTH`] at `path`.
+    #[error("{path}: nested deeper than {max}")]
+    TooDeep {
+        /// Where, e.g. `meta.a[0].b`.
+        path: String,
+        /// The limit.
+        max: u32,
+    },
+}
+
+/// One step of a path into a value.
+enum Step<'a> {
+    Key(&'a str),
+    Index(usize),
+}
+
+/// The steps (innermost first) to the first list or map below `v` that would sit
+/// deeper than [`MAX_DEPTH`], if any; `depth` is how many enclose `v`. The recursion
+/// stops at the limit, so it is bounded however deep the value is.
+fn too_deep(v: &Value, depth: u32) -> Option<Vec<Step<'_>>> {
+    let inner = depth + 1;
+    match v {
+        Value::List(_) | Value::Map(_) if inner > MAX_DEPTH => Some(Vec::new()),
+        Value::List(items) => items.iter().enumerate().find_map(|(i, item)| {
+            too_deep(item, inner).map(|mut p| {
+                p.push(Step::Index(i));
+                p
+            })
+        }),
+        Value::Map(map) => map.iter().find_map(|(k, item)| {
+            too_deep(item, inner).map(|mut p| {
+                p.push(Step::Key(k));
+                p
+            })
+        }),
+        _ => None,
+    }
+}
+
+fn path_of(root: &str, steps: Vec<Step<'_>>) -> String {
+    let mut path = root.to_owned();
+    for step in steps.into_iter().rev() {
+        match step {
+            Step::Key(k) => {
+                path.push('.');
+                path.push_str(k);
+            }
+            Step::Index(i) => {
+                path.push('[');
+                path.push_str(&i.to_string());
+                path.push(']');
+            }
+        }
+    }
+    path
+}
+
+/// Checks every value of `map` (named `root.KEY` in errors), as
+/// [`Value::check_bounds`] does.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use rankexec_protocol::value::{check_map, Value};
+/// let mut v = Value::Null;
+/// for _ in 0..65 {
+///     v = Value::List(vec![v]);
+/// }
+/// let meta = BTreeMap::from([("a".to_owned(), v)]);
+/// let err = check_map("meta", &meta).unwrap_err();
+/// assert!(err.to_string().starts_with("meta.a[0]"), "{err}");
+/// ```
+pub fn check_map<'a>(
+    root: &str,
+    map: impl IntoIterator<Item = (&'a String, &'a Value)>,
+) -> Result<(), ValueError> {
+    for (k, v) in map {
+        if let Some(steps) = too_deep(v, 0) {
+            return Err(ValueError::TooDeep {
+                path: path_of(&format!("{root}.{k}"), steps),
+                max: MAX_DEPTH,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Value {
+    /// Checks that the peer will accept this value: lists and maps nest at most
+    /// [`MAX_DEPTH`] deep. `path` names the value in the error.
+    pub fn check_bounds(&self, path: &str) -> Result<(), ValueError> {
+        match too_deep(self, 0) {
+            Some(steps) => Err(ValueError::TooDeep {
+                path: path_of(path, steps),
+                max: MAX_DEPTH,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The integer, if this is [`Value::Int`].
     pub fn as_i64(&self) -> Option<i64> {
         match self {
@@ -255,5 +358,52 @@ mod tests {
         // The guard resets, so a shallow value decodes afterwards on the same thread.
         let ok = codec::encode(&Value::List(vec![Value::Int(1)])).expect("encode");
         assert!(codec::decode::<Value>(&ok).is_ok());
+    }
+
+    fn nested(levels: u32) -> Value {
+        let mut v = Value::Int(1);
+        for i in 0..levels {
+            v = if i % 2 == 0 {
+                Value::List(vec![Value::Null, v])
+            } else {
+                Value::Map(BTreeMap::from([("k".to_owned(), v)]))
+            };
+        }
+        v
+    }
+
+    #[test]
+    fn the_sender_checks_the_bound_the_receiver_enforces() {
+        // Exactly the limit: accepted by the check and by the decoder.
+        let ok = nested(MAX_DEPTH);
+        ok.check_bounds("v").expect("the limit itself is fine");
+        let bytes = codec::encode(&ok).expect("encode");
+        assert!(codec::decode::<Value>(&bytes).is_ok());
+        // One more: refused by both, the check naming the path.
+        let deep = nested(MAX_DEPTH + 1);
+        let err = deep.check_bounds("meta.x").unwrap_err();
+        let ValueError::TooDeep { path, max } = &err;
+        assert_eq!(*max, MAX_DEPTH);
+        assert!(path.starts_with("meta.x[1].k[1].k[1]"), "{path}");
+        assert!(
+            err.to_string().ends_with(": nested deeper than 64"),
+            "{err}"
+        );
+        let bytes = codec::encode(&deep).expect("encode");
+        assert!(codec::decode::<Value>(&bytes).is_err());
+    }
+
+    #[test]
+    fn a_very_deep_value_is_checked_without_overflowing() {
+        // Far deeper than any stack would survive when recursing to the bottom.
+        let mut v = Value::Null;
+        for _ in 0..1_000_000 {
+            v = Value::List(vec![v]);
+        }
+        assert!(v.check_bounds("v").is_err());
+        // Dropping it recursively would overflow: take it apart iteratively.
+        while let Value::List(mut items) = v {
+            v = items.pop().unwrap_or(Value::Null);
+        }
     }
 }

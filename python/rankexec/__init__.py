@@ -38,6 +38,7 @@ from rankexec._rankexec import (
     SharedBuffer,
     Task,
     TaskAborted,
+    ValueBoundsError,
     __version__,
 )
 from rankexec._shareable import Shareable
@@ -58,6 +59,7 @@ __all__ = [
     "SharedBuffer",
     "Task",
     "TaskAborted",
+    "ValueBoundsError",
     "__version__",
     "init",
 ]

@@ -37,9 +37,12 @@ __all__ = [
     "StartupFailed",
     "TaskResult",
     "TimedOut",
+    "ValueBoundsError",
 ]
 
 HostBlob = _rankexec.HostBlob
+# A value that cannot be sent (it contains itself, or nests deeper than 64).
+ValueBoundsError = _rankexec.ValueBoundsError
 
 
 class RankexecError(_rankexec.RankexecError):

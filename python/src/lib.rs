@@ -27,5 +27,6 @@ fn _rankexec(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     rank::register(m)?;
     host::register(m)?;
+    value::register(m)?;
     Ok(())
 }

@@ -409,6 +409,9 @@ pub(super) fn missing_ranks<T>(answers: &[Option<T>]) -> Vec<u32> {
 
 impl PackSpec {
     pub(super) fn pack(&self) -> Result<Frames, ExecuteError> {
+        // A value the ranks would refuse to decode fails the task here, naming its path;
+        // sent, it would break every rank's connection and cost the group.
+        envelope::check_props(&self.props).map_err(|e| ExecuteError::Input(Arc::new(e.into())))?;
         let mut frames: Frames = [None, None];
         for (slot, frame) in frames.iter_mut().enumerate() {
             if !self.needed[slot] {

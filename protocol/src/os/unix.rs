@@ -12,6 +12,15 @@
 //!   grow seals are set: a peer that could still shrink the file could make every
 //!   reader fault with `SIGBUS`, and one that could grow it could outgrow the size the
 //!   frame reader counted against its limit.
+//! - A memory file filled through a writable shared mapping is sealed only once no such
+//!   mapping remains anywhere (`F_SEAL_WRITE` fails with `EBUSY` otherwise), and a
+//!   `fork()` copies the mapping into the child (PyTorch DataLoader workers,
+//!   `multiprocessing`, `os.fork`). Every such mapping is marked `MADV_DONTFORK`
+//!   ([`keep_from_children`]) so that children never hold it; when sealing still finds
+//!   one (a child forked between the mapping and the advice, or a mapping made by other
+//!   code), the bytes go to a fresh memory file, filled with `write` (no mapping at
+//!   all), which is sealed instead ([`seal_or_copy`]). A child that touches such an
+//!   address faults: the range is not mapped in children.
 //! - The launch secret reaches a rank we spawn through an inherited pipe: the rank
 //!   takes the descriptor once, checks it is a pipe, reads to end of file and closes it.
 
@@ -157,13 +166,65 @@ pub(crate) fn sealed_memfd_with(
                 .len(len)
                 .map_mut(fd.as_raw_fd())?
         };
+        keep_from_children(&map)?;
         fill(&mut map);
         drop(map);
     }
-    rustix::fs::fcntl_add_seals(
-        &fd,
-        SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
-    )?;
+    seal_or_copy(fd, name, len as u64)
+}
+
+/// Marks a writable shared mapping `MADV_DONTFORK`: a process forked later does not
+/// inherit it, so it cannot keep the file from being sealed.
+pub fn keep_from_children(map: &memmap2::MmapMut) -> io::Result<()> {
+    map.advise(memmap2::Advice::DontFork)
+}
+
+/// Seals `fd` (`len` bytes) against any change. If a writable shared mapping of it
+/// still exists (`EBUSY`: a child forked before [`keep_from_children`], or a mapping
+/// made by other code), returns a fresh memory file holding a copy of its bytes,
+/// sealed, instead.
+pub fn seal_or_copy(fd: OwnedFd, name: &str, len: u64) -> io::Result<OwnedFd> {
+    match rustix::fs::fcntl_add_seals(&fd, ALL_SEALS) {
+        Ok(()) => Ok(fd),
+        Err(Errno::BUSY) => {
+            tracing::debug!(
+                name,
+                len,
+                "a writable mapping outlives the memory file's writer (a forked child?); sealing a copy"
+            );
+            sealed_copy(&fd, name, len)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The seals every memory file carries before it is sent.
+const ALL_SEALS: SealFlags = SealFlags::WRITE
+    .union(SealFlags::SHRINK)
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// A sealed memory file holding the first `len` bytes of `src`, copied with
+/// `pread`/`write` (never mapped, so nothing can keep it from being sealed).
+fn sealed_copy(src: &OwnedFd, name: &str, len: u64) -> io::Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    rustix::fs::ftruncate(&fd, len)?;
+    let mut out = File::from(fd);
+    let mut buf = vec![0u8; (1 << 20).min(len as usize)];
+    let mut offset = 0u64;
+    while offset < len {
+        let want = buf.len().min((len - offset) as usize);
+        let n = match rustix::io::pread(src, &mut buf[..want], offset) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            Ok(n) => n,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        out.write_all(&buf[..n])?;
+        offset += n as u64;
+    }
+    let fd = OwnedFd::from(out);
+    rustix::fs::fcntl_add_seals(&fd, ALL_SEALS)?;
     Ok(fd)
 }
 
@@ -284,6 +345,78 @@ mod tests {
         assert!(seals.contains(SealFlags::WRITE | SealFlags::SHRINK | SealFlags::SEAL));
         let (bytes, _fd) = map_sealed(fd, 5).unwrap();
         assert_eq!(&bytes[..], b"abcde");
+    }
+
+    #[test]
+    fn a_file_still_mapped_writable_elsewhere_is_sealed_as_a_copy() {
+        // A second writable shared mapping of the file, as a child forked before the
+        // advice would hold, makes F_SEAL_WRITE fail with EBUSY.
+        let fd =
+            rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let len = (3 << 20) + 5; // more than one copy chunk, not a multiple of it
+        rustix::fs::ftruncate(&fd, len as u64).unwrap();
+        // SAFETY: test-only mapping of a file created just above; nothing else maps,
+        // writes or truncates it while the mapping lives.
+        let mut other = unsafe {
+            memmap2::MmapOptions::new()
+                .len(len)
+                .map_mut(fd.as_raw_fd())
+                .unwrap()
+        };
+        for (i, b) in other.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let err = rustix::fs::fcntl_add_seals(&fd, ALL_SEALS).unwrap_err();
+        assert_eq!(err, Errno::BUSY, "the scenario must provoke EBUSY");
+        let original = rustix::fs::fstat(&fd).unwrap().st_ino;
+
+        let sealed = seal_or_copy(fd, "t", len as u64).unwrap();
+        assert_ne!(rustix::fs::fstat(&sealed).unwrap().st_ino, original);
+        let (bytes, _fd) = map_sealed(sealed, len as u64).unwrap();
+        assert!(bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+        // The copy is what was sealed: later writes through the old mapping stay out.
+        other[0] = 99;
+        assert_eq!(bytes[0], 0);
+    }
+
+    #[test]
+    fn sealing_succeeds_in_place_while_a_forked_child_lives() {
+        // A child forked while the file is mapped writable does not inherit the mapping
+        // (MADV_DONTFORK), so the parent seals the file itself, not a copy.
+        let fd =
+            rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        // SAFETY: test-only mapping of a file created just above.
+        let mut map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(4096)
+                .map_mut(fd.as_raw_fd())
+                .unwrap()
+        };
+        keep_from_children(&map).unwrap();
+        map[0] = 1;
+        let (gate_r, gate_w) = std::io::pipe().unwrap();
+        // SAFETY: the child only blocks in `read` on a pipe and leaves with `_exit`:
+        // both async-signal-safe; it allocates nothing and takes no lock after the fork.
+        let fork = unsafe { nix::unistd::fork() }.unwrap();
+        let child = match fork {
+            nix::unistd::ForkResult::Child => {
+                drop(gate_w); // close(2) only: the end of file must come from the parent
+                let mut b = [0u8; 1];
+                let _ = rustix::io::read(&gate_r, &mut b);
+                // SAFETY: `_exit` ends the child at once, running nothing of the parent's.
+                unsafe { nix::libc::_exit(0) }
+            }
+            nix::unistd::ForkResult::Parent { child } => child,
+        };
+        drop(gate_r);
+        drop(map);
+        let ino = rustix::fs::fstat(&fd).unwrap().st_ino;
+        let sealed = seal_or_copy(fd, "t", 4096);
+        drop(gate_w); // the child reads end of file and exits
+        nix::sys::wait::waitpid(child, None).unwrap();
+        let sealed = sealed.unwrap();
+        assert_eq!(rustix::fs::fstat(&sealed).unwrap().st_ino, ino);
     }
 
     #[test]

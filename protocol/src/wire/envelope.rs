@@ -9,6 +9,9 @@
 //!   lives in a sealed memory file (say, a rank's result being forwarded) is passed
 //!   again without any copy.
 //!
+//! Packing checks the metadata against the receiver's bound ([`check_map`]) so that a
+//! value nested too deep fails here, with its path, instead of breaking the connection.
+//!
 //! Unpacking checks that the inline lengths add up to the body exactly and that every
 //! descriptor is used exactly once; anything else is a protocol violation.
 
@@ -23,6 +26,7 @@ use super::frame::{InFrame, OutFrame};
 use super::message::{BlobHeader, Carrier, Message, WireShareable};
 use crate::os::{self, ShmError};
 use crate::shareable::{Blob, Shareable};
+use crate::value::{ValueError, check_map};
 
 /// How blobs are carried in frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +68,9 @@ pub enum PackError {
     /// The header could not be encoded.
     #[error("cannot encode the message")]
     Codec(#[from] CodecError),
+    /// A metadata value or property is beyond what the peer decodes.
+    #[error(transparent)]
+    Value(#[from] ValueError),
 }
 
 /// Why a received shareable was refused.
@@ -131,6 +138,7 @@ pub fn pack(
     body: &mut Vec<Bytes>,
     fds: &mut Vec<Arc<OwnedFd>>,
 ) -> Result<WireShareable, PackError> {
+    check_map("meta", shareable.meta_map())?;
     let mut blobs = Vec::with_capacity(shareable.blobs().len());
     for (name, blob) in shareable.blobs() {
         let len = blob.len() as u64;
@@ -168,6 +176,11 @@ pub fn pack(
         meta: shareable.meta_map().clone(),
         blobs,
     })
+}
+
+/// Checks context properties against the receiver's bound (named `props.KEY`).
+pub fn check_props(props: &super::message::Props) -> Result<(), ValueError> {
+    check_map("props", props.iter().map(|(k, p)| (k, &p.value)))
 }
 
 /// The longest memory-file name [`memfd_name`] produces, in bytes (the kernel's limit

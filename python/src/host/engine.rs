@@ -5,8 +5,13 @@
 //! order) with the GIL; a dict it returns is merged into the context the rank gets
 //! back. An exception in the callback becomes the rank's `fire_event` error. The
 //! executor holds the engine weakly: the owning `_HostGroup` keeps it alive.
+//!
+//! The callback often refers back to the group's owner (a reference cycle); the group
+//! shows it to Python's garbage collector and lets it clear it ([`PyEngine::callback`]
+//! may be taken away), so a group dropped without `close()` is still torn down.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -16,7 +21,9 @@ use super::convert;
 
 /// Calls a Python function for every event a rank fires.
 pub(crate) struct PyEngine {
-    pub(crate) callback: Option<Py<PyAny>>,
+    /// Taken (set to None) when the garbage collector clears the group. Locked only
+    /// with the GIL held, briefly (never across a call).
+    pub(crate) callback: Mutex<Option<Py<PyAny>>>,
     pub(crate) identity: String,
     pub(crate) job_id: String,
     pub(crate) workspace: PathBuf,
@@ -24,9 +31,14 @@ pub(crate) struct PyEngine {
 
 impl Engine for PyEngine {
     fn fire_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), FireEventError> {
-        let Some(cb) = &self.callback else {
+        if self
+            .callback
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+        {
             return Ok(());
-        };
+        }
         let rank = ctx
             .get_prop(keys::FROM_RANK_NUMBER)
             .and_then(|v| v.as_i64());
@@ -35,6 +47,10 @@ impl Engine for PyEngine {
             message,
         };
         let attached = Python::try_attach(|py| {
+            let cb = match &*self.callback.lock().unwrap_or_else(PoisonError::into_inner) {
+                Some(cb) => cb.clone_ref(py),
+                None => return Ok(()),
+            };
             let props = convert::props_to_py(py, ctx.props()).map_err(|e| remote(e.to_string()))?;
             let ret = cb
                 .call1(py, (event.as_str(), rank, props))

@@ -6,6 +6,10 @@
 //! milliseconds (FLARE's `abort_signal` has no wake-up). `abort()` from another thread
 //! fires the in-flight task's signal in every rank.
 //!
+//! A group dropped without `close()` is torn down when it is freed, also when its
+//! `on_event` callback refers back to its owner: the callback is shown to the garbage
+//! collector (`__traverse__`) and cleared with the group (`__clear__`).
+//!
 //! Input blobs are any C-contiguous buffer (bytes, numpy arrays, memoryviews); large ones
 //! are copied once into a staged memory file (see `staging`), small ones inline.
 
@@ -17,6 +21,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
+use pyo3::{PyTraverseError, PyVisit};
 use rankexec_executor::{ExecutorConfig, MultiProcessExecutor, TermSignal};
 use rankexec_protocol::{Engine, FlContext, PropFlags, Shareable, Signal, keys};
 
@@ -94,7 +99,7 @@ impl HostGroup {
         Ok(HostGroup {
             exec: Some(Arc::new(exec)),
             engine: Arc::new(PyEngine {
-                callback: on_event,
+                callback: Mutex::new(on_event),
                 identity: site,
                 job_id,
                 workspace,
@@ -139,6 +144,10 @@ impl HostGroup {
         abort_reason: String,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>, Bound<'py, PyDict>)> {
         let exec = self.exec()?;
+        // The task is in flight from here: an `abort()` while its input is converted or
+        // copied into shared memory applies to it (the executor then ends it at once).
+        let signal = Signal::new();
+        let _in_flight = InFlight::set(&self.in_flight, signal.clone());
         let meta = crate::value::map_from_py(meta, "meta")?;
         let mut buffers: Vec<(String, PyUntypedBuffer)> = Vec::new();
         for (k, v) in blobs.iter() {
@@ -177,11 +186,6 @@ impl HostGroup {
         let (blob_map, sizes) = staged.map_err(|e| errors::staging_error(py, &e))?;
         let input = Shareable::from_parts(meta, blob_map);
         let ctx = self.context(props)?;
-        let signal = Signal::new();
-        *self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(signal.clone());
         let slice = if abort_check.is_some() {
             Duration::try_from_secs_f64(poll_s.clamp(0.001, 1.0)).unwrap_or(SIGNAL_SLICE)
         } else {
@@ -216,10 +220,7 @@ impl HostGroup {
             },
             |_| s_int.trigger("interrupted (Ctrl-C)"),
         );
-        *self
-            .in_flight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+        drop(_in_flight);
         self.stager.prepare_in_background(sizes);
         let (r, ctx) = result?;
         let out = r.map_err(|e| errors::execute_error(py, &e))?;
@@ -337,10 +338,54 @@ impl HostGroup {
     fn staged_bytes(&self) -> usize {
         self.stager.held()
     }
+
+    /// Shows the event callback to the garbage collector: it usually refers back to
+    /// the group's owner, and a cycle the collector cannot see would keep the ranks
+    /// alive until the process exits.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // Never wait here: whoever holds the lock holds it only briefly, with the GIL.
+        if let Ok(cb) = self.engine.callback.try_lock()
+            && let Some(cb) = cb.as_ref()
+        {
+            visit.call(cb)?;
+        }
+        Ok(())
+    }
+
+    /// Breaks the cycle (drops the callback) and tears the group down, as dropping it
+    /// does (bounded by the executor's shutdown deadlines).
+    fn __clear__(&mut self) {
+        let cb = self
+            .engine
+            .callback
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(cb);
+        self.teardown();
+    }
 }
 
-impl Drop for HostGroup {
+/// The in-flight task's signal, registered for `abort()` while it lives.
+struct InFlight<'a>(&'a Mutex<Option<Signal>>);
+
+impl<'a> InFlight<'a> {
+    fn set(slot: &'a Mutex<Option<Signal>>, signal: Signal) -> Self {
+        *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(signal);
+        InFlight(slot)
+    }
+}
+
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+}
+
+impl HostGroup {
+    /// Stops the executor (and its ranks) without holding the GIL.
+    fn teardown(&mut self) {
+        self.stager.clear();
         if let Some(exec) = self.exec.take() {
             // Teardown waits for relay threads that may need the GIL: release it. (While
             // the interpreter shuts down, relay threads cannot attach either: they fail
@@ -352,5 +397,11 @@ impl Drop for HostGroup {
             });
             drop(exec);
         }
+    }
+}
+
+impl Drop for HostGroup {
+    fn drop(&mut self) {
+        self.teardown();
     }
 }

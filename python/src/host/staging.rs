@@ -9,66 +9,23 @@
 //! mapped writable (`MAP_POPULATE`). The next task of the same shape only copies into
 //! pages that exist, unmaps, seals and sends.
 //!
+//! A prepared file's mapping is kept from forked children (`MADV_DONTFORK`): a host
+//! that forks (multiprocessing, DataLoader workers) between tasks would otherwise keep
+//! the file from being sealed. See `os` for the fallback when it still cannot be.
+//!
 //! Caveats: Linux only (`memfd_create` and seals). A prepared file holds its memory
 //! while idle (one payload's worth per size). A size not prepared falls back to a fresh
 //! file, which is correct, only slower.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use bytes::Bytes;
 use rankexec_protocol::Blob;
-use rustix::fs::{MemfdFlags, SealFlags};
+
+use crate::os::StagedFile as Prepared;
 
 /// How many prepared files of one size are kept.
 const PER_SIZE: usize = 1;
-
-/// A memory file of `len` bytes with its pages allocated and mapped writable.
-struct Prepared {
-    fd: OwnedFd,
-    map: memmap2::MmapMut,
-}
-
-impl Prepared {
-    fn new(len: usize) -> io::Result<Prepared> {
-        let fd = rustix::fs::memfd_create(
-            "rankexec-staged",
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )?;
-        rustix::fs::ftruncate(&fd, len as u64)?;
-        // SAFETY: the file was created just above and is not shared with anyone: no
-        // other mapping, writer or truncation can exist while this mapping lives. It is
-        // dropped before the file is sealed (sealing needs no writable mapping left).
-        let map = unsafe {
-            memmap2::MmapOptions::new()
-                .len(len)
-                .populate()
-                .map_mut(fd.as_raw_fd())?
-        };
-        Ok(Prepared { fd, map })
-    }
-
-    /// Copies `src` (exactly the file's size) in, seals the file, and maps it read-only.
-    fn fill(mut self, src: &[u8]) -> io::Result<Blob> {
-        self.map.copy_from_slice(src);
-        let Prepared { fd, map } = self;
-        drop(map);
-        rustix::fs::fcntl_add_seals(
-            &fd,
-            SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
-        )?;
-        // SAFETY: the file is sealed against writes, shrinking and growing (seals cannot
-        // be removed) and holds exactly `src.len()` bytes, so the read-only mapping can
-        // neither change under us nor fault past the end.
-        let ro = unsafe {
-            memmap2::MmapOptions::new()
-                .len(src.len())
-                .map(fd.as_raw_fd())?
-        };
-        Ok(Blob::from_sealed_memfd(Bytes::from_owner(ro), Arc::new(fd)))
-    }
-}
 
 /// The pool of prepared files, and the threshold above which blobs are staged.
 pub(crate) struct Stager {
@@ -99,7 +56,7 @@ impl Stager {
             let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
             spare
                 .iter()
-                .position(|p| p.map.len() == src.len())
+                .position(|p| p.len() == src.len())
                 .map(|i| spare.swap_remove(i))
         };
         match ready {
@@ -135,17 +92,19 @@ impl Stager {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .iter()
-                .filter(|p| p.map.len() == len)
+                .filter(|p| p.len() == len)
                 .count();
             if have >= PER_SIZE {
                 continue;
             }
             match Prepared::new(len) {
-                Ok(p) => self
-                    .spare
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(p),
+                Ok(p) => {
+                    // Checked again: the background thread and `prepare()` may race.
+                    let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+                    if spare.iter().filter(|p| p.len() == len).count() < PER_SIZE {
+                        spare.push(p);
+                    }
+                }
                 Err(e) => tracing::warn!(len, "cannot prepare a memory file: {e}"),
             }
         }
@@ -157,7 +116,7 @@ impl Stager {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .map(|p| p.map.len())
+            .map(|p| p.len())
             .sum()
     }
 

@@ -12,6 +12,18 @@
 //! - [`private_copy`]: a copy-on-write mapping of a sealed input file, for code that
 //!   writes into its input (torch tensors made from it warn otherwise).
 //!
+//! - [`StagedFile`]: a memory file with its pages allocated and mapped writable, kept
+//!   ready for the host's next input of that size (see `host::staging`).
+//!
+//! Fork safety: a `fork()` (PyTorch DataLoader workers, `multiprocessing`, `os.fork`)
+//! would copy a writable shared mapping into the child, and the write seal then fails
+//! with `EBUSY` for as long as the child lives. Every writable shared mapping made here
+//! is marked `MADV_DONTFORK`, so children never get it (a child touching such an
+//! address faults: it is not mapped there). When sealing still finds one (a child
+//! forked between the mapping and the advice, or a mapping made by other code), the
+//! bytes are copied into a fresh sealed memory file instead, which is then what is
+//! sent (its inode differs from the buffer's).
+//!
 //! Caveat: the kernel checks the write seal only against shared mappings; the private
 //! mapping that replaces ours is what makes sealing possible with live views.
 
@@ -22,6 +34,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use rankexec_protocol::Blob;
 use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
 
 /// A memory file being filled through a writable shared mapping.
@@ -45,11 +58,13 @@ impl WritableFile {
             // SAFETY: the file was created just above and is shared with nobody: no other
             // process can truncate it or map it while this mapping exists. Until it is
             // sealed, only this process (through this mapping) writes it.
-            Some(unsafe {
+            let map = unsafe {
                 memmap2::MmapOptions::new()
                     .len(len)
                     .map_mut(fd.as_raw_fd())?
-            })
+            };
+            keep_from_children(&map)?;
+            Some(map)
         };
         Ok(WritableFile { fd, map, len })
     }
@@ -91,13 +106,86 @@ impl WritableFile {
                 return Err(io::Error::other("the kernel moved a MAP_FIXED mapping"));
             }
         }
-        rustix::fs::fcntl_add_seals(
-            &self.fd,
-            SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
-        )?;
+        match rustix::fs::fcntl_add_seals(&self.fd, ALL_SEALS) {
+            Ok(()) => {}
+            Err(Errno::BUSY) => {
+                // A writable shared mapping of the file lives elsewhere (a child forked
+                // before the advice, or one made by other code): send a sealed copy.
+                let (ptr, len) = self.raw();
+                // SAFETY: `ptr..ptr+len` is our own mapping (now private), valid while
+                // `self` is borrowed; the copy reads it once.
+                let src = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
+                return Blob::shared_with(len, |dst| dst.copy_from_slice(src));
+            }
+            Err(e) => return Err(e.into()),
+        }
         let fd = Arc::new(self.fd.try_clone()?);
         Ok(Blob::from_sealed_memfd(map_read_only(&fd, self.len)?, fd))
     }
+}
+
+/// A memory file of a fixed size with its pages allocated and mapped writable, ready
+/// to take one payload.
+pub(crate) struct StagedFile {
+    fd: OwnedFd,
+    map: memmap2::MmapMut,
+}
+
+impl StagedFile {
+    /// A memory file of `len` (> 0) bytes with every page allocated (`MAP_POPULATE`).
+    pub(crate) fn new(len: usize) -> io::Result<StagedFile> {
+        let fd = rustix::fs::memfd_create(
+            "rankexec-staged",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        // SAFETY: the file was created just above and is not shared with anyone: no
+        // other mapping, writer or truncation can exist while this mapping lives. It is
+        // dropped before the file is sealed (sealing needs no writable mapping left).
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(len)
+                .populate()
+                .map_mut(fd.as_raw_fd())?
+        };
+        keep_from_children(&map)?;
+        Ok(StagedFile { fd, map })
+    }
+
+    /// Its size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Copies `src` (exactly the file's size) in, seals the file and maps it read-only.
+    /// A file that cannot be sealed (see the module docs) is left behind and `src` goes
+    /// to a fresh sealed file instead.
+    pub(crate) fn fill(mut self, src: &[u8]) -> io::Result<Blob> {
+        if src.len() != self.map.len() {
+            return Err(io::Error::other("a staged file filled with another size"));
+        }
+        self.map.copy_from_slice(src);
+        let StagedFile { fd, map } = self;
+        drop(map);
+        match rustix::fs::fcntl_add_seals(&fd, ALL_SEALS) {
+            Ok(()) => {}
+            Err(Errno::BUSY) => return Blob::shared_with(src.len(), |d| d.copy_from_slice(src)),
+            Err(e) => return Err(e.into()),
+        }
+        let fd = Arc::new(fd);
+        Ok(Blob::from_sealed_memfd(map_read_only(&fd, src.len())?, fd))
+    }
+}
+
+/// The seals a memory file carries before it is sent.
+const ALL_SEALS: SealFlags = SealFlags::WRITE
+    .union(SealFlags::SHRINK)
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// Marks a writable shared mapping `MADV_DONTFORK` (see the module docs).
+fn keep_from_children(map: &memmap2::MmapMut) -> io::Result<()> {
+    map.advise(memmap2::Advice::DontFork)
 }
 
 /// Maps `len` bytes of a sealed file read-only.

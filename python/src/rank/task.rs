@@ -226,17 +226,25 @@ impl Context {
             .map_err(|e| EventFailed::new_err(format!("cannot start the event thread: {e}")))?;
         // The engine's own deadline (the executor's event timeout) bounds the wait.
         // Meanwhile this thread runs this rank's handlers for the event: they run on
-        // the thread that fired it, like a Rust rank's.
+        // the thread that fired it, like a Rust rank's. A firing thread that ended
+        // without answering (it panicked) is an answer too: waiting on its closed
+        // channel would spin.
         let got = loop {
             let step = wait_sliced(py, None, |slice| {
                 crossbeam_channel::select! {
-                    recv(rx) -> r => r.ok().map(Fired::Done),
+                    recv(rx) -> r => Some(Fired::Done(r.ok())),
                     recv(local_rx) -> e => match e {
                         Ok(Request::Event(e)) => Some(Fired::Local(e)),
                         // Only events are sent here.
                         Ok(_) => None,
                         // The fire is over; its result follows.
-                        Err(_) => rx.recv_timeout(slice).ok().map(Fired::Done),
+                        Err(_) => match rx.recv_timeout(slice) {
+                            Ok(r) => Some(Fired::Done(Some(r))),
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                                Some(Fired::Done(None))
+                            }
+                        },
                     },
                     default(slice) => None,
                 }
@@ -248,11 +256,14 @@ impl Context {
             }
         };
         match got {
-            Some(Ok(back)) => {
+            Some(Some(Ok(back))) => {
                 *self.ctx.lock().unwrap_or_else(PoisonError::into_inner) = back;
                 Ok(())
             }
-            Some(Err(e)) => Err(EventFailed::new_err(rankexec_protocol::error_chain(&e))),
+            Some(Some(Err(e))) => Err(EventFailed::new_err(rankexec_protocol::error_chain(&e))),
+            Some(None) => Err(EventFailed::new_err(
+                "the event thread ended without an answer",
+            )),
             None => Err(EventFailed::new_err("the event was not answered")),
         }
     }
@@ -260,8 +271,8 @@ impl Context {
 
 /// What the wait in `Context.fire_event` saw.
 enum Fired {
-    /// The fire ended.
-    Done(Result<FlContext, rankexec_protocol::FireEventError>),
+    /// The fire ended (None: its thread ended without an answer).
+    Done(Option<Result<FlContext, rankexec_protocol::FireEventError>>),
     /// One of this rank's components must handle the event on this thread.
     Local(embed::Event<Payload>),
 }
