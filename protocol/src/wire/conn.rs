@@ -262,6 +262,14 @@ impl Conn {
         }
     }
 
+    /// The peer's address (TCP only): the source a listener counts handshakes by.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Conn::Local(_) => None,
+            Conn::Tcp(t) => t.stream.peer_addr().ok().map(|a| a.ip()),
+        }
+    }
+
     /// A description of the peer for logs.
     pub fn peer_text(&self) -> String {
         match self {
