@@ -55,10 +55,9 @@ fn srun_config(conf: &Path, logs: &Path, path: &str) -> ExecutorConfig {
         // may still hold while Slurm cleans it up.
         extra_args: vec!["--overlap".into()],
     };
-    c.env.set.insert(
-        "SLURM_CONF".into(),
-        conf.display().to_string(),
-    );
+    c.env
+        .set
+        .insert("SLURM_CONF".into(), conf.display().to_string());
     let d = &mut c.deadlines;
     // srun asks slurmctld for an allocation first.
     d.startup = Dur(Duration::from_secs(60));
@@ -160,8 +159,7 @@ fn environ_var(pid: u32, key: &str) -> Option<String> {
     let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
     env.split(|b| *b == 0).find_map(|kv| {
         let kv = String::from_utf8_lossy(kv);
-        kv.strip_prefix(&format!("{key}="))
-            .map(str::to_owned)
+        kv.strip_prefix(&format!("{key}=")).map(str::to_owned)
     })
 }
 
@@ -209,7 +207,9 @@ fn srun_ranks_take_their_rank_from_slurm_and_end_run_leaves_nothing() {
     all.push(srun);
     assert_gone(&all, "srun and its ranks after END_RUN");
     assert_no_step_left(&conf, "END_RUN");
-    eprintln!("srun: step {live:?}, ranks {ranks:?} (SLURM_PROCID 0 and 1), 3 tasks; END_RUN: no step, no slurmstepd, no rank");
+    eprintln!(
+        "srun: step {live:?}, ranks {ranks:?} (SLURM_PROCID 0 and 1), 3 tasks; END_RUN: no step, no slurmstepd, no rank"
+    );
 }
 
 #[test]
@@ -311,10 +311,7 @@ fn a_sigkilled_host_leaves_no_step_under_srun() {
         .unwrap();
     let mut lines = BufReader::new(host.stdout.take().unwrap()).lines();
     let pids_line = loop {
-        let line = lines
-            .next()
-            .expect("the host printed its pids")
-            .unwrap();
+        let line = lines.next().expect("the host printed its pids").unwrap();
         if let Some(rest) = line.strip_prefix("pids: ") {
             break rest.to_owned();
         }

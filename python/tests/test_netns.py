@@ -28,7 +28,7 @@ HELPER = HERE / "two_nodes.py"
 
 def _why_not() -> str | None:
     if os.geteuid() != 0:
-        return "network namespaces need root (running as uid %d)" % os.geteuid()
+        return f"network namespaces need root (running as uid {os.geteuid()})"
     if shutil.which("ip") is None:
         return "`ip` (iproute2) is not installed"
     return None
@@ -108,13 +108,15 @@ def node():
         assert not left, f"processes left in {nd.ns}: {left}"
 
 
-def _config(tmp: Path, node: Node, launcher_argv: list[str], components, worker) -> Path:
+def _config(
+    tmp: Path, node: Node, launcher_argv: list[str], components, worker, source="torchrun"
+) -> Path:
     cfg = {
         "executor_id": components[0]["id"],
         "num_of_processes": 2,
         "components": components,
         "worker": worker,
-        "launcher": {"command": {"argv": launcher_argv, "rank_source": "torchrun"}},
+        "launcher": {"command": {"argv": launcher_argv, "rank_source": source}},
         "transport": {"tcp": {"bind": f"{node.host}:0"}},
         "gpu": {"mode": "none"},
         "restart": {"max_restarts": 0},
@@ -178,7 +180,64 @@ def test_torchrun_across_two_nodes_trains_ddp_digits(tmp_path, node):
     last = rounds[-1]
     assert last["world_size"] == 2 and last["backend"] == "gloo", last
     assert last["val_accuracy"] >= 0.95, last
-    assert not _ns_pids(node.ns), "every rank in the other namespace ended"
+    # Remote ranks end on `Close` (or their connections' end), shortly after the host.
+    wait_until(lambda: not _ns_pids(node.ns), 60, f"nothing left in {node.ns}")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def test_mpirun_across_two_nodes(tmp_path, node):
+    if shutil.which("mpirun") is None:
+        pytest.skip("Open MPI is not installed (no mpirun)")
+    argv = [
+        sys.executable,
+        str(HELPER),
+        "mpirun",
+        node.ns,
+        node.host,
+        node.peer,
+        "{nproc}",
+        "{program}",
+        "{args}",
+    ]
+    components = [{"id": "sleep", "path": "Sleep", "args": {"secs": 0.01}}]
+    worker = {"program": str(BIN), "args": ["worker"]}
+    cfg = _config(tmp_path, node, argv, components, worker, source="openmpi")
+    host = subprocess.Popen(
+        [str(BIN), "run", "--config", str(cfg), "--task", "t", "--rounds", "3", "--print-pids"],
+        cwd=REPO,
+        env=env_with_python(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None
+        line = host.stdout.readline()
+        while line and not line.startswith("pids: "):
+            line = host.stdout.readline()
+        assert line.startswith("pids: "), "the group started"
+        # While the group is up: a rank runs in the other namespace, under Open MPI's
+        # daemon there, with the rank Open MPI gave it.
+        there = [_environ(p) for p in _ns_pids(node.ns)]
+        ranks_there = [e["OMPI_COMM_WORLD_RANK"] for e in there if "OMPI_COMM_WORLD_RANK" in e]
+        assert ranks_there, f"no rank in {node.ns}: {there}"
+        rest, err = host.communicate(timeout=300)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+    print(rest[-2000:], err[-2000:])
+    assert host.returncode == 0, rest[-3000:] + err[-3000:]
+    assert rest.count('"rank":0') == 3, rest
+    wait_until(lambda: not _ns_pids(node.ns), 30, f"nothing left in {node.ns}")
+    print(f"mpirun across two namespaces: rank(s) {ranks_there} in {node.ns}; 3 tasks")
 
 
 def test_link_down_is_a_named_failure_and_remote_ranks_exit(tmp_path, node):

@@ -5,6 +5,10 @@ namespace NS (node 1), for test_netns.py. The executor runs it as a `command` la
         `torchrun --nnodes=2` on both nodes (WORLD/2 ranks each), c10d rendezvous at
         HOST_ADDR, gloo over the veth pair. Ends both agents when one ends, or on SIGTERM.
 
+    two_nodes.py mpirun NS HOST_ADDR PEER_ADDR WORLD PROGRAM ARGS...
+        `mpirun` with WORLD/2 slots on each node; Open MPI starts its daemon on the other
+        node through this script's `rsh` mode (its `plm_rsh_agent`, standing in for ssh).
+
     two_nodes.py detached NS WORLD PROGRAM ARGS...
         WORLD ranks in NS, each in a session of its own (`RANK`, `WORLD_SIZE`, ...), the
         way ssh leaves processes on another host: a SIGTERM ends this launcher only, so
@@ -63,7 +67,7 @@ def _torchrun(argv: list[str]) -> int:
                 a.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
-    pid, status = os.wait()  # the first agent to end ends the job
+    _pid, status = os.wait()  # the first agent to end ends the job
     stop()
     for a in agents:
         try:
@@ -73,6 +77,35 @@ def _torchrun(argv: list[str]) -> int:
             a.wait()
     code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code
+
+
+def _mpirun(argv: list[str]) -> int:
+    ns, host, peer, world, *cmd = argv
+    per_node = int(world) // 2
+    subnet = host.rsplit(".", 1)[0] + ".0/24"
+    env = dict(
+        os.environ,
+        TWO_NODES_NS=ns,
+        OMPI_MCA_plm_rsh_agent=f"{sys.executable} {Path(__file__).resolve()} rsh",
+        OMPI_MCA_oob_tcp_if_include=subnet,
+        OMPI_MCA_btl_tcp_if_include=subnet,
+        OMPI_MCA_btl="self,tcp",
+        OMPI_MCA_pml="ob1",
+        OMPI_MCA_odls_base_sigkill_timeout="0",
+    )
+    args = ["mpirun", "--host", f"{host}:{per_node},{peer}:{per_node}", "-np", world]
+    if os.geteuid() == 0:
+        args.append("--allow-run-as-root")
+    # mpirun ends its ranks on SIGTERM (its own signal handling).
+    return subprocess.call([*args, "--bind-to", "none", *cmd], env=env)
+
+
+def _rsh(argv: list[str]) -> int:
+    # Called by mpirun as `rsh HOST COMMAND...` for the other node: run it there.
+    _host, *cmd = argv
+    ns = os.environ["TWO_NODES_NS"]
+    os.execvp("ip", ["ip", "netns", "exec", ns, "/bin/sh", "-c", " ".join(cmd)])
+    return 127
 
 
 def _detached(argv: list[str]) -> int:
@@ -99,4 +132,5 @@ def _detached(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
-    sys.exit(_torchrun(rest) if mode == "torchrun" else _detached(rest))
+    modes = {"torchrun": _torchrun, "mpirun": _mpirun, "rsh": _rsh, "detached": _detached}
+    sys.exit(modes[mode](rest))
