@@ -13,9 +13,8 @@
 #      python/ (`maturin develop --release`);
 #   3. runs `cargo test --workspace [--features mpi]` with the venv's bin first on PATH
 #      (tests that drive python or torchrun find them there);
-#   4. runs scripts/slurm-test.sh (srun under a real single-machine Slurm cluster) and
-#      scripts/netns-test.sh (ranks in another network namespace over TCP); each
-#      prints `SKIPPED: <reason>` where it cannot run (not root, packages missing);
+#   4. runs scripts/slurm-test.sh (srun under a real single-machine Slurm cluster; it
+#      prints `SKIPPED: <reason>` where it cannot run: not root, packages missing);
 #   5. builds the release binaries the Python tests drive, runs `python -m pytest
 #      python/tests -q` (python/tests/flare runs the real `nvflare simulator`), then
 #      ruff, mypy's stubtest and mypy on the Python sources.
@@ -108,7 +107,7 @@ fi
 say "cargo test --workspace ${FEATURES[*]:-}"
 cargo test --workspace "${FEATURES[@]}" "$@"
 
-# --- 3b. Beyond one machine: srun under a real Slurm; ranks in another namespace ---------
+# --- 3b. srun under a real Slurm (ranks in another network namespace: python/tests) ------
 scripts/slurm-test.sh "${FEATURES[@]}"
 
 # --- 4. Python tests and lint --------------------------------------------------------------
