@@ -123,6 +123,16 @@ fn assert_no_step_left(conf: &Path, what: &str) {
     }
 }
 
+/// Asserts every pid is gone within 30 s: srun leaves once slurmd reports the step's
+/// end (its `KillWait` is 5 s here), slower on a busy machine than a local teardown.
+#[track_caller]
+fn assert_gone_under_slurm(pids: &[u32], what: &str) {
+    let within = Duration::from_secs(30);
+    if let Err(alive) = wait_gone(pids, within) {
+        panic!("{what}: pids {alive:?} still alive after {within:?}");
+    }
+}
+
 /// srun's pid and the ranks' pids, by rank.
 fn launcher_and_ranks(exec: &MultiProcessExecutor) -> (u32, Vec<u32>) {
     let procs = exec.status().processes;
@@ -205,7 +215,7 @@ fn srun_ranks_take_their_rank_from_slurm_and_end_run_leaves_nothing() {
     exec.handle_event(&EventType::END_RUN, &mut ctx).unwrap();
     let mut all = ranks.clone();
     all.push(srun);
-    assert_gone(&all, "srun and its ranks after END_RUN");
+    assert_gone_under_slurm(&all, "srun and its ranks after END_RUN");
     assert_no_step_left(&conf, "END_RUN");
     eprintln!(
         "srun: step {live:?}, ranks {ranks:?} (SLURM_PROCID 0 and 1), 3 tasks; END_RUN: no step, no slurmstepd, no rank"
@@ -247,7 +257,7 @@ fn abort_reaches_ranks_under_srun() {
     let (srun, mut all) = before;
     all.push(srun);
     exec.finalize().unwrap();
-    assert_gone(&all, "srun and its ranks after finalize");
+    assert_gone_under_slurm(&all, "srun and its ranks after finalize");
     assert_no_step_left(&conf, "finalize");
 }
 
@@ -288,7 +298,7 @@ fn a_rank_killed_under_srun_is_reported_with_its_rank() {
     eprintln!("rank 1 SIGKILLed under srun: {}", chain(&err));
     let mut all = ranks.clone();
     all.push(srun);
-    assert_gone(&all, "srun and its ranks after the failure");
+    assert_gone_under_slurm(&all, "srun and its ranks after the failure");
     assert_no_step_left(&conf, "a killed rank");
     exec.finalize().unwrap();
 }
@@ -324,7 +334,7 @@ fn a_sigkilled_host_leaves_no_step_under_srun() {
     assert_eq!(steps(&conf).len(), 1, "one step runs");
     kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
     let _ = host.wait();
-    assert_gone(&pids, "ranks and srun after the host's SIGKILL");
+    assert_gone_under_slurm(&pids, "ranks and srun after the host's SIGKILL");
     assert_no_step_left(&conf, "SIGKILL of the host");
     eprintln!("host SIGKILLed under srun: {pids:?} gone; no step, no slurmstepd");
 }
