@@ -260,9 +260,8 @@ mod tests {
 
     #[test]
     fn a_refused_record_is_never_handed_out_in_pieces() {
-        // Read in pieces smaller than the record (the buffered path), and whole (the
-        // direct path): a record altered on the way is refused either way, and no byte
-        // of it is returned later.
+        // Read in pieces smaller than the record, and with room for all of it: a record
+        // altered on the way is refused either way, and no byte of it is returned later.
         for piece in [7usize, 4096] {
             let (a, b) = pair();
             let (ca, cb) = channels();
