@@ -13,7 +13,9 @@
 #      python/ (`maturin develop --release`);
 #   3. runs `cargo test --workspace [--features mpi]` with the venv's bin first on PATH
 #      (tests that drive python or torchrun find them there);
-#   4. builds the release binaries the Python tests drive, runs `python -m pytest
+#   4. runs scripts/slurm-test.sh (srun under a real single-machine Slurm cluster; it
+#      prints `SKIPPED: <reason>` where it cannot run: not root, packages missing);
+#   5. builds the release binaries the Python tests drive, runs `python -m pytest
 #      python/tests -q` (python/tests/flare runs the real `nvflare simulator`;
 #      python/tests/test_wheel.py builds the wheel with scripts/wheel.sh and tests it in
 #      a clean venv), then ruff, mypy's stubtest and mypy on the Python sources.
@@ -105,6 +107,9 @@ fi
 # --- 3. Rust -----------------------------------------------------------------------------
 say "cargo test --workspace ${FEATURES[*]:-}"
 cargo test --workspace "${FEATURES[@]}" "$@"
+
+# --- 3b. srun under a real Slurm (ranks in another network namespace: python/tests) ------
+scripts/slurm-test.sh "${FEATURES[@]}"
 
 # --- 4. Python tests and lint --------------------------------------------------------------
 if [ "$PY_TESTS" = 1 ]; then

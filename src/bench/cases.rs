@@ -22,6 +22,8 @@ pub struct Setup<'a> {
     pub args: &'a [String],
     /// Rank logs go here.
     pub logs: &'a Path,
+    /// Ranks connect over TCP on 127.0.0.1 (encrypted records) instead of local sockets.
+    pub tcp: bool,
 }
 
 impl Setup<'_> {
@@ -33,6 +35,12 @@ impl Setup<'_> {
         c.log_dir = Some(self.logs.to_owned());
         c.gpu.mode = rankexec_executor::GpuMode::None;
         c.deadlines.heartbeat_timeout = Dur(Duration::from_secs(60));
+        if self.tcp {
+            c.transport = rankexec_executor::TransportConfig::Tcp {
+                bind: "127.0.0.1:0".into(),
+                advertise: None,
+            };
+        }
         c
     }
 

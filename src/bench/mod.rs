@@ -4,6 +4,8 @@
 //!   memcpy, event relay, abort, crash detection, parent memory).
 //! - [`report`]: figures, the table, JSON lines.
 //! - [`peer`]: the NVFlare peer harness's experiments, as that harness's own records.
+//! - [`tcp`]: the encrypted TCP transport beside local sockets, a memcpy and a plain
+//!   (unencrypted) TCP copy of the same bytes (`--only tcp`).
 //!
 //! Timings are medians; ratios are computed from figures measured in the same run.
 //! Nothing here is asserted: the targets live in BENCHMARKS.md, not in tests.
@@ -11,6 +13,7 @@
 pub mod cases;
 pub mod peer;
 pub mod report;
+pub mod tcp;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -48,6 +51,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<Vec<Figure>> {
         program: &program_text,
         args: &args,
         logs: logs.path(),
+        tcp: false,
     };
     if let Some(peer) = &opts.peer {
         if peer != "nvflare" {
@@ -124,6 +128,9 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<Vec<Figure>> {
         for n in [2, 8] {
             emit(cases::crash_detect(&setup, n, reps)?);
         }
+    }
+    if want("tcp") {
+        tcp::run(&setup, reps, big, &mut emit)?;
     }
     if want("parent_peak_rss") {
         emit(cases::parent_peak_rss(

@@ -7,7 +7,16 @@
 //! has a deadline, and a slot is given back however its thread ends (a guard, even if
 //! the thread cannot start). A connection over the limit is closed at once; ranks
 //! retry with back-off ([`rankexec_protocol::wire::dial`]), so idle connections can
-//! delay start-up by at most one handshake deadline, never deny it. Once the group is
+//! delay start-up by at most one handshake deadline, never deny it.
+//!
+//! TCP is reachable by anyone on the network, so two more rules hold there: a peer
+//! must authenticate within [`PRE_AUTH_TCP`] (a real rank answers the challenge in
+//! milliseconds; one that connects and says nothing gives its slot back quickly), and
+//! one source address may hold at most half of the slots ([`max_pending_per_source`]),
+//! so a host flooding the port with silent connections cannot keep ranks on other
+//! hosts out. Caveat: ranks that share the flooding address (same host, or behind the
+//! same NAT) compete with it for that half; the short deadline bounds how long each
+//! silent connection holds a slot, not how often it comes back. Once the group is
 //! ready ([`AcceptPolicy::stop_accepting`]) the acceptor stops and the listener
 //! closes. A connection is refused, with the reason logged and sent to the
 //! peer, when:
@@ -36,6 +45,8 @@
 //! pid is reused within those milliseconds would name another process of the same user
 //! (a peer of another user is refused before).
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -54,12 +65,70 @@ pub fn max_pending(world: u32) -> usize {
     3 * world as usize + MAX_PENDING
 }
 
-/// Gives a handshake slot back when dropped.
-struct Slot(Arc<AtomicUsize>);
+/// How long a TCP peer has to prove it holds the secret (the whole handshake is one
+/// round trip, so this bounds it). Local peers are vouched for by `SO_PEERCRED` (same
+/// user) before their handshake and keep the group's handshake deadline.
+pub const PRE_AUTH_TCP: Duration = Duration::from_secs(3);
+
+/// Most handshakes in progress at once from one TCP source address: half the group's
+/// slots, so one flooding host always leaves room for ranks elsewhere.
+pub fn max_pending_per_source(world: u32) -> usize {
+    max_pending(world) / 2
+}
+
+/// Handshakes in progress per TCP source address.
+type PerSource = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
+/// Gives a handshake slot back when dropped (and its source's share, for TCP).
+struct Slot {
+    total: Arc<AtomicUsize>,
+    source: Option<(PerSource, IpAddr)>,
+}
+
+impl Slot {
+    /// Takes a slot, unless `limit` slots are taken, or `per_source` from `ip`.
+    fn take(
+        total: &Arc<AtomicUsize>,
+        limit: usize,
+        sources: &PerSource,
+        ip: Option<IpAddr>,
+        per_source: usize,
+    ) -> Result<Slot, String> {
+        if total.fetch_add(1, Ordering::SeqCst) >= limit {
+            total.fetch_sub(1, Ordering::SeqCst);
+            return Err(format!("{limit} handshakes already in progress"));
+        }
+        let mut slot = Slot {
+            total: total.clone(),
+            source: None,
+        };
+        if let Some(ip) = ip {
+            let mut map = sources.lock().unwrap_or_else(PoisonError::into_inner);
+            let n = map.entry(ip).or_insert(0);
+            if *n >= per_source {
+                return Err(format!(
+                    "{per_source} handshakes already in progress from {ip} (the most one source may hold)"
+                ));
+            }
+            *n += 1;
+            slot.source = Some((sources.clone(), ip));
+        }
+        Ok(slot)
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.total.fetch_sub(1, Ordering::SeqCst);
+        if let Some((sources, ip)) = self.source.take() {
+            let mut map = sources.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(n) = map.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&ip);
+                }
+            }
+        }
     }
 }
 
@@ -290,7 +359,9 @@ fn accept_loop(
     stop: &AtomicBool,
 ) {
     let pending = Arc::new(AtomicUsize::new(0));
+    let sources: PerSource = Arc::default();
     let limit = max_pending(policy.world);
+    let per_source = max_pending_per_source(policy.world);
     let uid = effective_uid();
     let mut back_off = false;
     loop {
@@ -347,24 +418,28 @@ fn accept_loop(
                 }
                 None => None,
             };
-            let slot = Slot(pending.clone());
-            if pending.fetch_add(1, Ordering::SeqCst) >= limit {
-                drop(slot);
-                tracing::warn!(%peer, "refused connection: {limit} handshakes already in progress (the rank retries)");
-                continue;
-            }
+            let ip = conn.peer_ip();
+            let slot = match Slot::take(&pending, limit, &sources, ip, per_source) {
+                Ok(s) => s,
+                Err(why) => {
+                    tracing::warn!(%peer, "refused connection: {why} (the rank retries)");
+                    continue;
+                }
+            };
+            // A TCP peer must prove itself quickly (see the module docs).
+            let timeout = match ip {
+                Some(_) => policy.handshake_timeout.min(PRE_AUTH_TCP),
+                None => policy.handshake_timeout,
+            };
             let (policy, report) = (policy.clone(), report.clone());
             let span = tracing::Span::current();
             let spawned = std::thread::Builder::new()
                 .name("rx-handshake".into())
                 .spawn(move || {
                     span.in_scope(|| {
-                        let hs = server_handshake(
-                            &conn,
-                            &policy.secret,
-                            policy.handshake_timeout,
-                            |h| policy.admit(h, peer_pid),
-                        );
+                        let hs = server_handshake(&conn, &policy.secret, timeout, |h| {
+                            policy.admit(h, peer_pid)
+                        });
                         drop(slot);
                         match hs {
                             Ok(hello) => report(Connected {
@@ -413,6 +488,32 @@ mod tests {
             vec![Some(10), None],
             Duration::from_secs(1),
         )
+    }
+
+    #[test]
+    fn one_source_holds_at_most_its_share_of_slots() {
+        let total = Arc::new(AtomicUsize::new(0));
+        let sources = PerSource::default();
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let held: Vec<Slot> = (0..2)
+            .map(|_| Slot::take(&total, 4, &sources, Some(a), 2).unwrap())
+            .collect();
+        let err = Slot::take(&total, 4, &sources, Some(a), 2).err().unwrap();
+        assert_eq!(
+            err,
+            "2 handshakes already in progress from 10.0.0.1 (the most one source may hold)"
+        );
+        // Another source still gets in, up to the total.
+        let c = Slot::take(&total, 4, &sources, Some(b), 2).unwrap();
+        let d = Slot::take(&total, 4, &sources, None, 2).unwrap();
+        assert_eq!(
+            Slot::take(&total, 4, &sources, Some(b), 2).err().unwrap(),
+            "4 handshakes already in progress"
+        );
+        drop((held, c, d));
+        assert_eq!(total.load(Ordering::SeqCst), 0);
+        assert!(sources.lock().unwrap().is_empty(), "shares are given back");
     }
 
     #[test]

@@ -326,10 +326,47 @@ pub(crate) fn take_inherited_pipe(fd: i32, limit: usize) -> io::Result<Vec<u8>> 
     Ok(out)
 }
 
+/// How long a TCP peer may stay silent before its connection is declared dead:
+/// unacknowledged data for [`TCP_DEAD_AFTER`] (`TCP_USER_TIMEOUT`), or an idle
+/// connection whose keepalive probes (after `TCP_KEEPIDLE`, every `TCP_KEEPINTVL`,
+/// `TCP_KEEPCNT` of them) go unanswered. Without these a vanished host (cable pulled,
+/// node powered off) is noticed only after the kernel's retransmission limit, about
+/// 15 minutes, and an idle connection never.
+pub(crate) const TCP_DEAD_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Sets keepalive and `TCP_USER_TIMEOUT` on a TCP socket (see [`TCP_DEAD_AFTER`]).
+pub(crate) fn tcp_liveness(sock: &std::net::TcpStream) -> io::Result<()> {
+    use rustix::net::sockopt;
+    use std::time::Duration;
+    sockopt::set_socket_keepalive(sock, true)?;
+    sockopt::set_tcp_keepidle(sock, Duration::from_secs(4))?;
+    sockopt::set_tcp_keepintvl(sock, Duration::from_secs(2))?;
+    sockopt::set_tcp_keepcnt(sock, 3)?;
+    sockopt::set_tcp_user_timeout(sock, TCP_DEAD_AFTER.as_millis() as u32)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+
+    #[test]
+    fn tcp_sockets_are_watched_for_a_vanished_peer() {
+        use rustix::net::sockopt;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        assert!(!sockopt::socket_keepalive(&s).unwrap());
+        tcp_liveness(&s).unwrap();
+        // What the kernel now holds for this socket.
+        assert!(sockopt::socket_keepalive(&s).unwrap());
+        assert_eq!(sockopt::tcp_user_timeout(&s).unwrap(), 10_000);
+        assert_eq!(sockopt::tcp_keepcnt(&s).unwrap(), 3);
+        assert_eq!(
+            sockopt::tcp_keepidle(&s).unwrap(),
+            std::time::Duration::from_secs(4)
+        );
+    }
 
     #[test]
     fn sealed_memfd_maps_and_reads_back() {

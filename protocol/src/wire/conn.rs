@@ -7,6 +7,11 @@
 //! `interprocess` and removed when the listener is dropped. A TCP listener binds port 0
 //! by default and keeps its socket for its whole life.
 //!
+//! Every TCP socket (both ends) has keepalive and `TCP_USER_TIMEOUT` set, so a peer
+//! whose host vanished (link down, power off) is an error on the connection within
+//! about 10 s, not after the kernel's 15-minute retransmission limit: a rank then
+//! exits as "parent gone", and the parent's writes to it fail instead of hanging.
+//!
 //! [`Conn`] hides the difference for the framing code. Only local connections can pass
 //! file descriptors (the zero-copy path) and report the peer's credentials.
 
@@ -104,6 +109,7 @@ impl Endpoint {
                     match TcpStream::connect_timeout(&sa, left) {
                         Ok(s) => {
                             s.set_nodelay(true)?;
+                            os::tcp_liveness(&s)?;
                             return Ok(Conn::Tcp(TcpConn::new(s)));
                         }
                         Err(e) => last = e,
@@ -262,6 +268,14 @@ impl Conn {
         }
     }
 
+    /// The peer's address (TCP only): the source a listener counts handshakes by.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Conn::Local(_) => None,
+            Conn::Tcp(t) => t.stream.peer_addr().ok().map(|a| a.ip()),
+        }
+    }
+
     /// A description of the peer for logs.
     pub fn peer_text(&self) -> String {
         match self {
@@ -344,6 +358,7 @@ impl Listener {
             Listener::Tcp(l) => l.accept().and_then(|(s, _)| {
                 s.set_nonblocking(false)?;
                 s.set_nodelay(true)?;
+                os::tcp_liveness(&s)?;
                 Ok(Conn::Tcp(TcpConn::new(s)))
             }),
         };

@@ -357,7 +357,16 @@ fn read_prefix(
                     max: limits.max_fds,
                 });
             }
-            Err(e) if got == 0 && e.kind() == io::ErrorKind::ConnectionReset => {
+            // Reset, or declared dead by the kernel (`ETIMEDOUT` from TCP keepalive or
+            // `TCP_USER_TIMEOUT`; a read timeout is `EAGAIN`, never this): the peer is
+            // gone, as if it had closed.
+            Err(e)
+                if got == 0
+                    && matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::TimedOut
+                    ) =>
+            {
                 return Err(FrameError::Closed);
             }
             Err(e) => return Err(e.into()),

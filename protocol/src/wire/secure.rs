@@ -259,6 +259,28 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_record_is_never_handed_out_in_pieces() {
+        // Read in pieces smaller than the record, and with room for all of it: a record
+        // altered on the way is refused either way, and no byte of it is returned later.
+        for piece in [7usize, 4096] {
+            let (a, b) = pair();
+            let (ca, cb) = channels();
+            let (tap_w, tap_r) = pair();
+            ca.write(&tap_w, &[9u8; 1000]).unwrap();
+            let mut record = vec![0u8; 4 + 1000 + TAG_LEN];
+            (&mut &tap_r).read_exact(&mut record).unwrap();
+            record[100] ^= 1;
+            (&mut &a).write_all(&record).unwrap();
+            let mut buf = vec![0u8; piece];
+            let e = cb.read(&b, &mut buf).unwrap_err();
+            assert!(e.to_string().contains("authentication failed"), "{e}");
+            for _ in 0..3 {
+                assert!(cb.read(&b, &mut buf).is_err(), "the stream stays refused");
+            }
+        }
+    }
+
+    #[test]
     fn replayed_and_injected_records_are_refused() {
         let (a, b) = pair();
         let (ca, cb) = channels();

@@ -28,3 +28,16 @@ class Echo:
 
     def handle_event(self, event, ctx):
         self.events.append(event)
+
+
+class Sized:
+    """Returns a blob of `n` bytes (input meta `n`) and its pid: results over the
+    group's `max_frame` are refused by the rank itself."""
+
+    def execute(self, task, input, ctx, abort):
+        import os
+
+        n = int(input.meta.get("n", 0))
+        return rankexec.Shareable(
+            meta={"rank": ctx.rank, "pid": os.getpid()}, blobs={"b": b"\x07" * n}
+        )
