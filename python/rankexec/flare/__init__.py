@@ -25,6 +25,8 @@ __all__ = [
     "FROM_RANK_PROP",
     "MultiProcessExecutor",
     "RankErrorLogger",
+    "ScriptExecutor",
+    "ScriptRunner",
     "from_blobs",
     "to_blobs",
 ]
@@ -34,6 +36,8 @@ _LAZY = {
     "ERROR_HEADER": "rankexec.flare.executor",
     "FROM_RANK_PROP": "rankexec.flare.executor",
     "RankErrorLogger": "rankexec.flare.server",
+    "ScriptExecutor": "rankexec.flare.script_executor",
+    "ScriptRunner": "rankexec.flare.job",
 }
 
 
