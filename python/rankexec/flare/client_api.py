@@ -22,9 +22,10 @@ sees the same ``is_running()``; a rank's task is answered by its ``send()`` (onl
 
 Failures and ends:
 
-- an exception escaping the script fails the rank's pending task with its type and
-  traceback, is written to the rank's ``error.json`` and stderr, and ends the rank
-  (exit code 1): the host names the rank and the exception at once;
+- an exception escaping the script is written to the rank's ``error.json`` (torchrun's
+  format) and stderr, and ends the rank at once (exit code 1, no interpreter teardown):
+  the host names the rank and the exception (the first rank to end is the root cause,
+  as under torchrun: a peer failing in a collective afterwards is not);
 - an aborted task is answered as aborted at the script's next ``receive()``,
   ``is_running()`` or ``send()`` (its result is not sent, and a warning says so); the
   script then gets the next task, so the group lives on;
@@ -126,6 +127,18 @@ class RankClientAPI(InProcessClientAPI):
                 self._tasks.put(e)
                 return
             if task is None:
+                held = self._task
+                if held is not None and not self._closed:
+                    # The group closes while this rank's script still works on a task:
+                    # the group failed or the job ended. Nothing will take the result.
+                    print(
+                        f"rankexec: the rank group closed during task `{held.name}`; "
+                        "this rank ends now",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    sys.stdout.flush()
+                    os._exit(1)
                 self._tasks.put(None)
                 return
             self._ctx = task.ctx
@@ -442,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path[0] = os.path.dirname(path)
     code = 0
     try:
-        runpy.run_path(path, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code != 0:
@@ -450,11 +463,15 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - reported to the host, then the rank ends
         if e.__traceback__ is not None:
             e.__traceback__ = e.__traceback__.tb_next  # start at the script's frame
-        api.fail_pending(e)
+        # Not reported through the task: when one rank's exception makes the others
+        # fail in a collective, the first process to end is the root cause.
         _error_file(e)
         traceback.print_exception(e, file=sys.stderr)
+        sys.stdout.flush()
         sys.stderr.flush()
-        return 1
+        # No interpreter teardown (torch's can take seconds): the host learns of the
+        # failure when this process is gone, and the rank is over anyway.
+        os._exit(1)
     if api.fail_pending(ScriptEnded(f"the script ended without answering task `{api._task_name}`")):
         code = code or 1
     if code == 0:
