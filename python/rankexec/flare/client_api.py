@@ -127,18 +127,16 @@ class RankClientAPI(InProcessClientAPI):
                 self._tasks.put(e)
                 return
             if task is None:
+                code = rank.exit_code
+                if code:
+                    # The runtime stopped for another reason than the host's Close (the
+                    # host died, the link broke): the script has nobody to work for.
+                    _end_now(code, f"the rank runtime stopped (exit code {code})")
                 held = self._task
                 if held is not None and not self._closed:
                     # The group closes while this rank's script still works on a task:
                     # the group failed or the job ended. Nothing will take the result.
-                    print(
-                        f"rankexec: the rank group closed during task `{held.name}`; "
-                        "this rank ends now",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    sys.stdout.flush()
-                    os._exit(1)
+                    _end_now(1, f"the rank group closed during task `{held.name}`")
                 self._tasks.put(None)
                 return
             self._ctx = task.ctx
@@ -415,6 +413,18 @@ def _error_file(exc: BaseException) -> None:
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": stack}}}, f)
     except OSError:
         pass  # the stderr tail still says it
+
+
+def _end_now(code: int, message: str) -> None:
+    """Ends this process at once (no interpreter teardown), saying why on stderr if
+    stderr still works (its reader may be the dead parent)."""
+    try:
+        sys.stderr.write(f"rankexec: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
 
 
 def _parse(argv: list[str]) -> tuple[str, dict[str, Any], str, list[str]]:
