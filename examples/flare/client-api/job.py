@@ -16,7 +16,6 @@ import argparse
 from net import Net
 from nvflare.app_opt.pt.job_config.fed_avg import FedAvgJob
 from nvflare.job_config.script_runner import ScriptRunner
-
 from rankexec.flare.job import ScriptRunner as RankexecScriptRunner
 
 SCRIPT_ARGS = "--epochs 2"

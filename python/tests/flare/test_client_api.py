@@ -331,17 +331,13 @@ ABORTABLE = (
 
 
 @pytest.mark.parametrize("all_ranks", [False, True])
-def test_an_abort_reaches_every_receiving_rank_and_the_group_survives(
-    tmp_path, groups, all_ranks
-):
+def test_an_abort_reaches_every_receiving_rank_and_the_group_survives(tmp_path, groups, all_ranks):
     g = groups(tmp_path, ABORTABLE, all_ranks_receive=all_ranks)
     receiving = [0, 1] if all_ranks else [0]
 
     def go_once_aborted() -> None:
         # Once every receiving rank's runtime has its abort, its script goes on to send().
-        wait_until(
-            lambda: all("abort requested" in g.stderr(r) for r in receiving), timeout=CAP_S
-        )
+        wait_until(lambda: all("abort requested" in g.stderr(r) for r in receiving), timeout=CAP_S)
         (g.marks / "go").touch()
 
     def abort_when_inside() -> bool:

@@ -86,7 +86,9 @@ def test_exported_flare_job_runs_with_only_the_executor_changed(tmp_path, monkey
             EXAMPLE / "client.py"
         ).read_bytes()
         a, b = ours[app], theirs[app]
-        assert a["executors"][0]["executor"]["path"] == "rankexec.flare.script_executor.ScriptExecutor"
+        assert (
+            a["executors"][0]["executor"]["path"] == "rankexec.flare.script_executor.ScriptExecutor"
+        )
         assert b["executors"][0]["executor"]["path"].endswith("ClientAPIExecutor")
         for cfg in (a, b):
             del cfg["executors"][0]["executor"]
@@ -147,10 +149,12 @@ def test_sigkill_of_the_flare_client_leaves_no_script_rank(tmp_path, sim_runner)
     # Kill while the scripts train (both sites' rank 0 have printed a round), or as
     # soon as they run, whichever comes first within the cap.
     wait_until(
-        lambda: len(list(ws.glob("site-*/simulate_job/rankexec/rank-0/stdout.log"))) == 2
-        and all(
-            "round" in p.read_text()
-            for p in ws.glob("site-*/simulate_job/rankexec/rank-0/stdout.log")
+        lambda: (
+            len(list(ws.glob("site-*/simulate_job/rankexec/rank-0/stdout.log"))) == 2
+            and all(
+                "round" in p.read_text()
+                for p in ws.glob("site-*/simulate_job/rankexec/rank-0/stdout.log")
+            )
         ),
         timeout=120,
         step=0.05,

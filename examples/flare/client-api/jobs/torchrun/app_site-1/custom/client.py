@@ -11,14 +11,13 @@ import argparse
 import time
 
 import numpy as np
+import nvflare.client as flare
 import torch
 import torch.distributed as dist
 from net import Net
+from nvflare.client.tracking import SummaryWriter
 from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import nvflare.client as flare
-from nvflare.client.tracking import SummaryWriter
 
 TRAIN, EVALUATE, SUBMIT, STOP = 0, 1, 2, 3
 
