@@ -131,7 +131,7 @@ def simulate(job: Path, ws: Path, clients: int = 2, cap: float = 600) -> tuple[i
     t0 = time.monotonic()
     with open(ws.parent / f"{ws.name}.out", "w") as out:
         proc = subprocess.Popen(
-            [str(NVFLARE), "simulator", str(job), "-w", str(ws), "-n", str(clients), "-t", "2"],
+            [str(NVFLARE), "simulator", str(job), "-w", str(ws), "-n", str(clients), "-t", str(min(2, clients))],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -279,13 +279,18 @@ def big(root: Path, kind: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--skip-big", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated: digits,raise,big")
     p.add_argument("--out", default=None)
     p.add_argument("--keep", action="store_true")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rankexec-ca-bench-"))
     results = []
     try:
-        for scenario in (digits, raising) + (() if args.skip_big else (big,)):
+        scenarios = [digits, raising] + ([] if args.skip_big else [big])
+        if args.only:
+            names = {"digits": digits, "raise": raising, "big": big}
+            scenarios = [names[n] for n in args.only.split(",")]
+        for scenario in scenarios:
             for kind in ("torchrun", "rankexec"):
                 r = scenario(root, kind)
                 print(json.dumps(r), flush=True)
