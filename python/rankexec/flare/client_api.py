@@ -91,7 +91,7 @@ class RankClientAPI(InProcessClientAPI):
                 FLMetaKey.JOB_ID: config.get("job_id", ""),
             }
         )
-        self.meta = {}
+        self.meta: dict[str, Any] = {}
         self.rank: str | None = os.environ.get("RANK", "0")
         self.fl_model: FLModel | None = None
         self.receive_called = False
