@@ -131,7 +131,17 @@ def simulate(job: Path, ws: Path, clients: int = 2, cap: float = 600) -> tuple[i
     t0 = time.monotonic()
     with open(ws.parent / f"{ws.name}.out", "w") as out:
         proc = subprocess.Popen(
-            [str(NVFLARE), "simulator", str(job), "-w", str(ws), "-n", str(clients), "-t", str(min(2, clients))],
+            [
+                str(NVFLARE),
+                "simulator",
+                str(job),
+                "-w",
+                str(ws),
+                "-n",
+                str(clients),
+                "-t",
+                str(min(2, clients)),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
