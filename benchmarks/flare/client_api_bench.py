@@ -70,6 +70,41 @@ while True:
 dist.destroy_process_group()
 """
 
+ABORTED = """
+import os
+import time
+import torch
+import torch.distributed as dist
+import nvflare.client as flare
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+flare.init(rank=str(rank))
+slow = flare.get_site_name() == "site-1"
+while True:
+    order = torch.zeros(1, dtype=torch.int64)
+    if rank == 0 and flare.is_running():
+        m = flare.receive()
+        order[0] = 1
+        if slow:
+            print(f"SLOW_TASK_AT {time.time():.6f}", flush=True)
+            open(os.path.join(os.environ["CA_BENCH_MARKS"], "slow-has-task"), "w").close()
+            while flare.is_running():  # honours the abort at its next call
+                time.sleep(0.01)
+            print(f"ABORT_SEEN_AT {time.time():.6f}", flush=True)
+            order[0] = 0
+        else:  # answers once site-1 holds its task: the workflow's end then aborts it
+            mark = os.path.join(os.environ["CA_BENCH_MARKS"], "slow-has-task")
+            deadline = time.monotonic() + 300
+            while not os.path.exists(mark) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            flare.send(flare.FLModel(params=m.params, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    dist.broadcast(order, 0)
+    if order[0].item() == 0:
+        break
+dist.destroy_process_group()
+"""
+
 BIG_NET = '''
 import torch
 from torch import nn
@@ -286,6 +321,70 @@ def big(root: Path, kind: str) -> dict:
     }
 
 
+def aborted(root: Path, kind: str) -> dict:
+    """site-1 never answers round 0; site-2 does; ScatterAndGather (min_clients 1,
+    one round) ends the workflow, which aborts site-1's task."""
+    job = _job(kind, root, f"abort-{kind}", script=ABORTED, args=[] if kind == "torchrun" else "")
+    cfg_file = job / "app_server" / "config" / "config_fed_server.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["workflows"] = [
+        {
+            "id": "sag",
+            "path": "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather",
+            "args": {
+                "min_clients": 1,
+                "num_rounds": 1,
+                "wait_time_after_min_received": 0,
+                "aggregator_id": "aggregator",
+                "persistor_id": "persistor",
+                "shareable_generator_id": "shareable_generator",
+                "train_task_name": "train",
+                "train_timeout": 0,
+            },
+        }
+    ]
+    cfg["components"] += [
+        {
+            "id": "shareable_generator",
+            "path": "nvflare.app_common.shareablegenerators.full_model_shareable_generator."
+            "FullModelShareableGenerator",
+            "args": {},
+        },
+        {
+            "id": "aggregator",
+            "path": "nvflare.app_common.aggregators.intime_accumulate_model_aggregator."
+            "InTimeAccumulateWeightedAggregator",
+            "args": {"expected_data_kind": "WEIGHTS"},
+        },
+    ]
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    ws = root / f"ws-abort-{kind}"
+    marks = root / f"marks-{kind}"
+    marks.mkdir()
+    os.environ["CA_BENCH_MARKS"] = str(marks)
+    rc, wall = simulate(job, ws)
+    site2_done = None
+    for line in _site_lines(ws, "site-2"):
+        if "finished processing task" in line:
+            site2_done = _epoch(line)
+    lines = _site_lines(ws, "site-1")
+    started = [i for i, x in enumerate(lines) if "invoking task executor" in x]
+    ended = None
+    if started:
+        for x in lines[started[0] + 1 :]:
+            if "finished processing task" in x or "abort" in x.lower() and "task" in x.lower():
+                ended = _epoch(x)
+                break
+    return {
+        "scenario": "abort",
+        "executor": kind,
+        "rc": rc,
+        "wall_s": wall,
+        "abort_to_task_end_s": None if ended is None or site2_done is None else ended - site2_done,
+        "tracebacks": sum("Traceback" in x for x in lines),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--skip-big", action="store_true")
@@ -296,9 +395,9 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="rankexec-ca-bench-"))
     results = []
     try:
-        scenarios = [digits, raising] + ([] if args.skip_big else [big])
+        scenarios = [digits, raising, aborted] + ([] if args.skip_big else [big])
         if args.only:
-            names = {"digits": digits, "raise": raising, "big": big}
+            names = {"digits": digits, "raise": raising, "big": big, "abort": aborted}
             scenarios = [names[n] for n in args.only.split(",")]
         for scenario in scenarios:
             for kind in ("torchrun", "rankexec"):
@@ -318,6 +417,8 @@ def main() -> int:
         ("digits", "round_overhead_s", "per-round overhead (executor time minus training), s"),
         ("digits", "wall_s", "whole job (3 rounds, 2 clients x 2 ranks), s"),
         ("raise", "raise_to_error_s", "a rank raising: to the client's error log, s"),
+        ("abort", "abort_to_task_end_s", "an abort: workflow end to the aborted task's end, s"),
+        ("abort", "wall_s", "whole job with the abort, s"),
         ("big", "big_round_s", "1 GiB model, one round's task time, s"),
     ):
         a, b = (
