@@ -38,6 +38,8 @@ __all__ = [
     "Member",
     "MultiProcessExecutor",
     "RankErrorLogger",
+    "ScriptExecutor",
+    "ScriptRunner",
     "Unsendable",
     "from_blobs",
     "pack_data",
@@ -50,6 +52,8 @@ _LAZY = {
     "ERROR_HEADER": "rankexec.flare.executor",
     "FROM_RANK_PROP": "rankexec.flare.executor",
     "RankErrorLogger": "rankexec.flare.server",
+    "ScriptExecutor": "rankexec.flare.script_executor",
+    "ScriptRunner": "rankexec.flare.job",
 }
 
 

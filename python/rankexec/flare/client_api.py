@@ -1,0 +1,489 @@
+"""FLARE's Client API (``import nvflare.client as flare``) served by the rank runtime.
+
+Each rank of a ``rankexec.flare.ScriptExecutor`` runs ``python -m
+rankexec.flare.run_script``, which starts the rank runtime, puts a ``RankClientAPI`` on
+FLARE's process-wide data bus under ``CLIENT_API`` and then runs the user's script as
+``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``, the script's directory first
+on ``sys.path``, the app folder as working directory). The script's unchanged
+``flare.init()`` finds it there: with no bootstrap file and ``CLIENT_API_TYPE`` set to
+``IN_PROCESS_API``, FLARE 2.9's ``APIContext`` takes the ``InProcessClientAPI`` stored
+on the data bus (``nvflare/client/api_context.py``), the hook FLARE's own in-process
+executor uses. ``RankClientAPI`` subclasses ``InProcessClientAPI`` for that check and
+overrides every call; tested with nvflare 2.9.0 (``TESTED_FLARE``).
+
+Rank semantics are FLARE's (``nvflare/client/cell/api.py``): rank 0 (the rank given
+to ``flare.init``, else ``RANK``) receives tasks; on other ranks ``receive()`` returns
+None, ``is_running()`` False, ``send()`` does nothing and ``get_task_name``,
+``is_train``, ``is_evaluate``, ``is_submit_model`` and ``log`` raise. Their part of each
+rankexec task is answered at once by a receiver thread. With ``all_ranks_receive``
+every rank receives the model (copy-on-write views of the same shared memory) and
+sees the same ``is_running()``; a rank's task is answered by its ``send()`` (only rank
+0's result counts) or at its next ``receive()``/``is_running()``.
+
+Failures and ends:
+
+- an exception escaping the script is written to the rank's ``error.json`` (torchrun's
+  format) and stderr, and ends the rank at once (exit code 1, no interpreter teardown):
+  the host names the rank and the exception (the first rank to end is the root cause,
+  as under torchrun: a peer failing in a collective afterwards is not);
+- an aborted task is answered as aborted at the script's next ``receive()``,
+  ``is_running()`` or ``send()`` (its result is not sent, and a warning says so); the
+  script then gets the next task, so the group lives on;
+- END_RUN and the group's close end ``is_running()``/``receive()`` (False/None) on
+  every rank; the script returns normally, no signal needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import queue
+import runpy
+import sys
+import threading
+import traceback
+from typing import Any
+
+from nvflare.apis.analytix import AnalyticsDataType
+from nvflare.apis.fl_constant import FLMetaKey
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.client.api_spec import CLIENT_API_KEY, CLIENT_API_TYPE_KEY, APISpec
+from nvflare.client.cell.bootstrap import BOOTSTRAP_FILE_ENV_VAR
+from nvflare.client.config import ClientConfig, ConfigKey, ExchangeFormat, TransferType
+from nvflare.client.converter_utils import convert_params
+from nvflare.client.in_process.api import InProcessClientAPI
+from nvflare.fuel.data_event.data_bus import DataBus
+
+from rankexec import TaskAborted, _rankexec
+from rankexec.flare._params import pack, plain, unpack
+
+__all__ = ["LOG_EVENT", "TESTED_FLARE", "RankClientAPI", "ScriptEnded", "main"]
+
+#: The nvflare versions this hook is tested with.
+TESTED_FLARE = ("2.9.0",)
+#: The rank event that carries a ``flare.log`` record to the host.
+LOG_EVENT = "rankexec.flare.client_api.log"
+#: Task meta key holding the FLModel fields (host to rank and back).
+MODEL_KEY = "flare_model"
+
+
+class ScriptEnded(RuntimeError):
+    """The script ended while its rank still held a task it had not answered."""
+
+
+class RankClientAPI(InProcessClientAPI):
+    """The Client API of one rank (see the module docs).
+
+    Subclasses ``InProcessClientAPI`` only so that FLARE's ``APIContext`` accepts it;
+    none of its data-bus machinery is used.
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        APISpec.__init__(self)  # not InProcessClientAPI's: no data-bus subscriptions
+        self._config = config
+        self._all_ranks = bool(config.get("all_ranks_receive", False))
+        self._exchange: dict[str, Any] = dict(config.get("task_exchange") or {})
+        self.client_config = ClientConfig(
+            {
+                ConfigKey.TASK_EXCHANGE: self._exchange,
+                FLMetaKey.SITE_NAME: config.get("site_name", ""),
+                FLMetaKey.JOB_ID: config.get("job_id", ""),
+            }
+        )
+        self.meta: dict[str, Any] = {}
+        self.rank: str | None = os.environ.get("RANK", "0")
+        self.fl_model: FLModel | None = None
+        self.receive_called = False
+        self._params_conversion_state: dict[str, Any] = {}
+        self._tasks: queue.Queue[Any] = queue.Queue()
+        self._task: Any = None  # the unanswered task of this rank
+        self._task_name: str | None = None
+        self._fresh = False  # a model fetched by is_running(), not yet taken by receive()
+        self._ctx: Any = None  # the latest context (fires log events)
+        self._closed = False
+        self._ended = False  # the group closed (or the runtime failed)
+        self._lock = threading.Lock()
+
+    # ---- the runtime side ----------------------------------------------------------
+
+    def serve(self, rank: _rankexec.Rank, group_rank: int) -> None:
+        """Starts the receiver thread. Rank 0 of the group (and, with
+        ``all_ranks_receive``, every rank) queues its tasks for the script; any other
+        rank answers each task at once, as its script never sees one."""
+        ack_only = group_rank != 0 and not self._all_ranks
+        threading.Thread(
+            target=self._receive_loop,
+            args=(rank, ack_only),
+            name="rankexec-client-api",
+            daemon=True,
+        ).start()
+
+    def _receive_loop(self, rank: _rankexec.Rank, ack_only: bool) -> None:
+        while True:
+            try:
+                task = rank.receive()
+            except BaseException as e:  # noqa: BLE001 - handed to the script's thread
+                self._tasks.put(e)
+                return
+            if task is None:
+                code = rank.exit_code
+                if code:
+                    # The runtime stopped for another reason than the host's Close (the
+                    # host died, the link broke): the script has nobody to work for.
+                    _end_now(code, f"the rank runtime stopped (exit code {code})")
+                held = self._task
+                if held is not None and not self._closed:
+                    # The group closes while this rank's script still works on a task:
+                    # the group failed or the job ended. Nothing will take the result.
+                    _end_now(1, f"the rank group closed during task `{held.name}`")
+                self._tasks.put(None)
+                return
+            self._ctx = task.ctx
+            if ack_only:
+                task.reply(meta={"rank_ack": True})
+            else:
+                self._tasks.put(task)
+
+    def serve_after_script(self, code: int) -> None:
+        """The script returned while the group lives on (a rank other than 0 that left
+        its loop, as under torchrun): the rank stays until the group closes, answering
+        tasks (rank 0's and every ``all_ranks_receive`` rank's fail: nobody serves them)."""
+        if self._ended:
+            return
+        self._closed = True
+        while (item := self._tasks.get()) is not None:
+            if isinstance(item, BaseException):
+                return
+            item.fail(ScriptEnded(f"the script on this rank ended (exit code {code})"))
+
+    def on_event(self, event: str, ctx: Any) -> None:
+        """The rank's event handler: keeps a context to fire log events with."""
+        del event
+        self._ctx = ctx
+
+    def fail_pending(self, error: BaseException) -> bool:
+        """Fails the unanswered task with `error`; returns whether there was one."""
+        with self._lock:
+            task, self._task = self._task, None
+        if task is None:
+            return False
+        try:
+            task.fail(error)
+        except Exception:  # noqa: BLE001 - the task was answered meanwhile
+            return False
+        return True
+
+    # ---- FLARE's Client API --------------------------------------------------------
+
+    def init(self, rank: str | None = None, config: dict | None = None) -> None:
+        del config
+        self.rank = str(rank) if rank is not None else os.environ.get("RANK", "0")
+
+    def _is_control(self) -> bool:
+        return str(self.rank) == "0"
+
+    def _receives(self) -> bool:
+        return self._is_control() or self._all_ranks
+
+    def _settle_aborted(self) -> None:
+        task = self._task
+        if task is not None and task.abort.triggered:
+            reason = task.abort.reason or "aborted"
+            self.fail_pending(TaskAborted(f"task `{self._task_name}` aborted: {reason}"))
+            self.fl_model = None
+            self.receive_called = False
+
+    def _answer_unsent(self) -> None:
+        """A rank whose result does not count: its part of the task is an ack."""
+        with self._lock:
+            task, self._task = self._task, None
+        if task is not None:
+            task.reply(meta={"rank_ack": True})
+        self.fl_model = None
+        self._fresh = False
+
+    def receive(self, timeout: float | None = None) -> FLModel | None:
+        if not self._receives() or self._closed:
+            return None
+        self._settle_aborted()
+        if self.fl_model is not None:
+            if self._is_control() or self._fresh:
+                self._fresh = False
+                self.receive_called = True
+                return self.fl_model
+            self._answer_unsent()  # a rank other than 0 moves on to the next task
+        model = self._next(timeout)
+        if model is not None:
+            self.receive_called = True
+        return model
+
+    def _next(self, timeout: float | None) -> FLModel | None:
+        while True:
+            try:
+                item = self._tasks.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if item is None:
+                self._closed = self._ended = True
+                return None
+            if isinstance(item, BaseException):
+                self._closed = self._ended = True
+                raise item
+            self._task = item
+            self._task_name = item.name
+            self._ctx = item.ctx
+            if item.abort.triggered:  # aborted before the script saw it
+                self._settle_aborted()
+                continue
+            self.fl_model = self._model_of(item)
+            self.meta = {ConfigKey.TASK_NAME: item.name}
+            return self.fl_model
+
+    def _model_of(self, task: Any) -> FLModel:
+        fl = dict(task.meta.get(MODEL_KEY) or {})
+        params = None
+        if fl.get("param_specs") or fl.get("param_values"):
+            params = unpack(
+                task.blobs, fl.get("param_specs"), fl.get("param_values"), writable=True
+            )
+            params = convert_params(
+                params,
+                self._exchange.get(ConfigKey.SERVER_EXPECTED_FORMAT, ExchangeFormat.NUMPY),
+                self._exchange.get(ConfigKey.EXCHANGE_FORMAT, ExchangeFormat.RAW),
+                self._params_conversion_state,
+            )
+        params_type = fl.get("params_type")
+        return FLModel(
+            params_type=ParamsType(params_type) if params_type else None,
+            params=params,
+            metrics=fl.get("metrics"),
+            start_round=fl.get("start_round"),
+            current_round=fl.get("current_round"),
+            total_rounds=fl.get("total_rounds"),
+            meta=dict(fl.get("meta") or {}),
+        )
+
+    def is_running(self) -> bool:
+        if not self._receives() or self._closed:
+            return False
+        if not self._is_control():
+            if self.fl_model is not None and not self._fresh:
+                self._answer_unsent()
+            running = self.receive() is not None
+            self._fresh = running
+            return running
+        return self.receive() is not None
+
+    def send(self, model: FLModel, clear_cache: bool = True) -> None:
+        if not self._receives() or self._closed:
+            return
+        if not self.receive_called:
+            raise RuntimeError('"receive" needs to be called before sending model!')
+        task = self._task
+        if task is not None and task.abort.triggered:
+            print(
+                f"rankexec: task `{self._task_name}` was aborted "
+                f"({task.abort.reason}); its result is not sent",
+                file=sys.stderr,
+            )
+            self._settle_aborted()
+            return
+        if task is None:
+            raise RuntimeError("send() called with no current task (already sent?)")
+        if not self._is_control():
+            self._answer_unsent()  # only rank 0's result counts, as in FLARE
+        else:
+            self._reply(task, model)
+        if clear_cache:
+            model.params = None
+            model.optimizer_params = None
+            if self.fl_model is not None:
+                self.fl_model.params = None
+            self.fl_model = None
+            self.receive_called = False
+        self._maybe_cleanup_memory()
+
+    def _reply(self, task: Any, model: FLModel) -> None:
+        if self._exchange.get(ConfigKey.TRANSFER_TYPE) == TransferType.DIFF:
+            model = self._prepare_param_diff(model)  # FLARE's own DIFF
+        if model.params is None and model.metrics is None:
+            raise RuntimeError("the model to send does not have either params or metrics")
+        wire = copy.copy(model)
+        wire.params = convert_params(
+            model.params,
+            self._exchange.get(ConfigKey.EXCHANGE_FORMAT) or ExchangeFormat.RAW,
+            self._exchange.get(ConfigKey.SERVER_EXPECTED_FORMAT, ExchangeFormat.NUMPY),
+            self._params_conversion_state,
+        )
+        blobs, specs, values = pack(wire.params)
+        params_type = wire.params_type
+        fl = {
+            "has_params": wire.params is not None,
+            "params_type": plain(params_type, "params_type") if params_type else None,
+            "param_specs": specs,
+            "param_values": values,
+            "metrics": plain(wire.metrics, "FLModel.metrics"),
+            "meta": plain(wire.meta or {}, "FLModel.meta"),
+            "current_round": plain(wire.current_round, "FLModel.current_round"),
+            "total_rounds": plain(wire.total_rounds, "FLModel.total_rounds"),
+            "start_round": plain(wire.start_round, "FLModel.start_round"),
+        }
+        with self._lock:
+            self._task = None
+        task.reply(meta={MODEL_KEY: fl}, blobs=blobs)
+
+    def system_info(self) -> dict:
+        return {
+            FLMetaKey.SITE_NAME: self._config.get("site_name", ""),
+            FLMetaKey.JOB_ID: self._config.get("job_id", ""),
+        }
+
+    def get_config(self) -> dict:
+        return {
+            ConfigKey.TASK_EXCHANGE: dict(self._exchange),
+            FLMetaKey.JOB_ID: self._config.get("job_id", ""),
+            FLMetaKey.SITE_NAME: self._config.get("site_name", ""),
+        }
+
+    def get_job_id(self) -> str:
+        return str(self._config.get("job_id", ""))
+
+    def get_site_name(self) -> str:
+        return str(self._config.get("site_name", ""))
+
+    def _require_control(self, what: str) -> None:
+        if not self._is_control():
+            raise RuntimeError(f"only rank 0 can call {what}!")
+
+    def get_task_name(self) -> str:
+        self._require_control("get_task_name")
+        if self._task_name is None:
+            raise RuntimeError("no current task")
+        return self._task_name
+
+    def is_train(self) -> bool:
+        self._require_control("is_train")
+        return self._task_name == self._exchange.get(ConfigKey.TRAIN_TASK_NAME)
+
+    def is_evaluate(self) -> bool:
+        self._require_control("is_evaluate")
+        return self._task_name == self._exchange.get(ConfigKey.EVAL_TASK_NAME)
+
+    def is_submit_model(self) -> bool:
+        self._require_control("is_submit_model")
+        return self._task_name == self._exchange.get(ConfigKey.SUBMIT_MODEL_TASK_NAME)
+
+    def log(self, key: str, value: Any, data_type: AnalyticsDataType, **kwargs: Any) -> None:
+        self._require_control("log")
+        ctx = self._ctx
+        if ctx is None:
+            raise RuntimeError("flare.log before the rank group delivered any event or task")
+        record = {
+            "key": key,
+            "value": plain(value, f"the value logged as `{key}`"),
+            "data_type": plain(data_type, "data_type"),
+            "kwargs": plain(kwargs, f"the arguments logged with `{key}`"),
+        }
+        ctx.fire_event(LOG_EVENT, {"__rankexec_flare_log__": json.dumps(record)})
+
+    def clear(self) -> None:
+        self.fl_model = None
+        self.receive_called = False
+
+    def shutdown(self) -> None:
+        self._closed = True
+
+    def close(self) -> None:
+        self._closed = True
+
+
+# ---- the rank program ---------------------------------------------------------------
+
+
+def _error_file(exc: BaseException) -> None:
+    """Writes `exc` where torchrun's `record` would (the host quotes its message)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = f"{type(exc).__name__}: {exc}"
+    stack = "".join(traceback.format_exception(exc))
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": stack}}}, f)
+    except OSError:
+        pass  # the stderr tail still says it
+
+
+def _end_now(code: int, message: str) -> None:
+    """Ends this process at once (no interpreter teardown), saying why on stderr if
+    stderr still works (its reader may be the dead parent)."""
+    try:
+        sys.stderr.write(f"rankexec: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
+def _parse(argv: list[str]) -> tuple[str, dict[str, Any], str, list[str]]:
+    """``--cwd DIR --config JSON SCRIPT [ARGS...]``."""
+    cwd, config = "", {}
+    i = 0
+    while i < len(argv) and argv[i] in ("--cwd", "--config"):
+        if i + 1 >= len(argv):
+            raise SystemExit(f"rankexec.flare.run_script: {argv[i]} needs a value")
+        if argv[i] == "--cwd":
+            cwd = argv[i + 1]
+        else:
+            config = json.loads(argv[i + 1])
+        i += 2
+    if i >= len(argv):
+        raise SystemExit("usage: python -m rankexec.flare.run_script [--cwd DIR] SCRIPT [ARGS]")
+    return cwd, config, argv[i], argv[i + 1 :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serves this process as a rank running a Client API script (see the module docs)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("--check-components", "--list-components"):
+        print(json.dumps({"ok": True, "errors": []}) if args[0] == "--check-components" else "[]")
+        return 0
+    cwd, config, script, script_args = _parse(args)
+    api = RankClientAPI(config)
+    rank = _rankexec.start("script", api.on_event)
+    api.serve(rank, int(os.environ.get("RANK", "0")))
+    if cwd:
+        os.chdir(cwd)
+    # FLARE's APIContext: no bootstrap, in-process type, our API on the data bus.
+    os.environ.pop(BOOTSTRAP_FILE_ENV_VAR, None)
+    os.environ[CLIENT_API_TYPE_KEY] = "IN_PROCESS_API"
+    DataBus().put_data(CLIENT_API_KEY, api)
+    path = os.path.abspath(script)
+    sys.argv = [script, *script_args]
+    sys.path[0] = os.path.dirname(path)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code != 0:
+            api.fail_pending(ScriptEnded(f"the script exited with code {e.code}"))
+    except BaseException as e:  # noqa: BLE001 - reported to the host, then the rank ends
+        if e.__traceback__ is not None:
+            e.__traceback__ = e.__traceback__.tb_next  # start at the script's frame
+        # Not reported through the task: when one rank's exception makes the others
+        # fail in a collective, the first process to end is the root cause.
+        _error_file(e)
+        traceback.print_exception(e, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No interpreter teardown (torch's can take seconds): the host learns of the
+        # failure when this process is gone, and the rank is over anyway.
+        os._exit(1)
+    if api.fail_pending(ScriptEnded(f"the script ended without answering task `{api._task_name}`")):
+        code = code or 1
+    if code == 0:
+        api.serve_after_script(code)
+    return code

@@ -1,0 +1,306 @@
+"""``rankexec.flare.ScriptExecutor``: a FLARE Client API script, unchanged, as a rank group.
+
+It replaces FLARE's ``ClientAPIExecutor`` in ``config_fed_client.json``; the script
+(``import nvflare.client as flare``) stays as it is. A job exported by FLARE's Job API
+(``ScriptRunner(..., launch_external_process=True, command="python3 -m
+nvflare.app_opt.pt.torchrun_node --nproc-per-node=2")``) runs after changing only the
+executor's ``path`` and ``args``::
+
+    {"tasks": ["*"], "executor": {
+        "path": "rankexec.flare.ScriptExecutor",
+        "args": {"script": "custom/client.py", "script_args": "--epochs 2",
+                 "num_of_processes": 2, "params_exchange_format": "pytorch"}}}
+
+Every rank runs ``python -m rankexec.flare.run_script`` in the app folder (FLARE's
+working directory for ``custom/client.py``), which runs the script as ``python SCRIPT
+ARGS`` would, with the torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) set by the group. FLARE's own argument names keep
+FLARE's meaning and defaults (``train_task_name``, ``evaluate_task_name``,
+``submit_model_task_name``, ``train_with_evaluation``, ``params_exchange_format``,
+``server_expected_format``, ``params_transfer_type``); rankexec's group arguments
+(``launcher``, ``deadlines``, ``gpu``, ``resources``, ``env``, ``restart``) are those of
+``rankexec.flare.MultiProcessExecutor``, which this class extends (START_RUN, END_RUN,
+aborts and events as there).
+
+Each task's ``FLModel`` travels to the ranks as blobs (numpy arrays and torch tensors,
+see ``rankexec.flare._params``) with its ``meta``, ``metrics`` and rounds in the task's
+meta; rank 0's ``flare.send()`` comes back the same way and is returned to FLARE as
+``FLModelUtils.to_shareable`` builds it. ``flare.log`` records (FLARE's tracking
+writers) become FLARE analytics events (``analytix_log_stats``), as
+``ClientAPIExecutor`` fires them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+import nvflare
+from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, LogWriterName
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_constant import FLContextKey, FLMetaKey, ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.signal import Signal
+from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic_dxo
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
+
+from rankexec.flare._params import pack, plain, unpack
+from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
+from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
+from rankexec.host import Aborted, RankexecError, RankFailed
+
+__all__ = ["ScriptExecutor"]
+
+
+def _argv(value: str | list[str], what: str) -> list[str]:
+    if isinstance(value, str):
+        return shlex.split(value)
+    if isinstance(value, list | tuple) and all(isinstance(a, str) for a in value):
+        return list(value)
+    raise ValueError(f"{what} must be a string or a list of strings, not {value!r}")
+
+
+def _format(value: Any, what: str) -> str:
+    try:
+        return ExchangeFormat(getattr(value, "value", value)).value
+    except ValueError:
+        names = [f.value for f in ExchangeFormat]
+        raise ValueError(f"{what} must be one of {names}, not {value!r}") from None
+
+
+class ScriptExecutor(MultiProcessExecutor):
+    """Runs a FLARE Client API script on a group of ranks (see the module docs).
+
+    ``all_ranks_receive`` (default False: FLARE's semantics) gives every rank the model
+    from shared memory and the same ``is_running()``, so the script needs no broadcast.
+    """
+
+    def __init__(
+        self,
+        script: str,
+        script_args: str | list[str] = "",
+        num_of_processes: int = 1,
+        train_task_name: str = AppConstants.TASK_TRAIN,
+        evaluate_task_name: str = AppConstants.TASK_VALIDATION,
+        submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
+        train_with_evaluation: bool = False,
+        params_exchange_format: str = ExchangeFormat.RAW,
+        server_expected_format: str = ExchangeFormat.NUMPY,
+        params_transfer_type: str = TransferType.FULL,
+        all_ranks_receive: bool = False,
+        deadlines: dict | None = None,
+        gpu: dict | None = None,
+        resources: dict | None = None,
+        launcher: Any = "builtin",
+        env: dict | None = None,
+        restart: dict | None = None,
+        relay_events: bool | list[str] = True,
+        abort_poll_interval: float = 0.005,
+    ) -> None:
+        version = getattr(nvflare, "__version__", "?")
+        if not str(version).startswith("2.9."):
+            raise RuntimeError(
+                f"rankexec.flare.ScriptExecutor serves FLARE 2.9's Client API (tested with "
+                f"{', '.join(TESTED_FLARE)}); this is nvflare {version}"
+            )
+        if not isinstance(script, str) or not script.endswith(".py"):
+            raise ValueError(f"script must name a .py file, not {script!r}")
+        self._script = script
+        self._script_args = script_args
+        self._script_argv = _argv(script_args, "script_args")
+        self._train_task_name = train_task_name
+        self._evaluate_task_name = evaluate_task_name
+        self._submit_model_task_name = submit_model_task_name
+        self._train_with_evaluation = bool(train_with_evaluation)
+        self._params_exchange_format = _format(params_exchange_format, "params_exchange_format")
+        self._server_expected_format = _format(server_expected_format, "server_expected_format")
+        transfer = getattr(params_transfer_type, "value", params_transfer_type)
+        if transfer not in (TransferType.FULL.value, TransferType.DIFF.value):
+            raise ValueError(f"params_transfer_type must be FULL or DIFF, not {transfer!r}")
+        self._params_transfer_type = transfer
+        self._all_ranks_receive = bool(all_ranks_receive)
+        self._site = ""
+        self._job = ""
+        super().__init__(
+            num_of_processes=num_of_processes,
+            rank_component="client_api_script",
+            # A script's own end (saving, destroy_process_group) follows the close.
+            deadlines={"shutdown_grace": "30s", **(deadlines or {})},
+            gpu=gpu,
+            resources=resources,
+            launcher=launcher,
+            env=env,
+            restart=restart,
+            relay_events=relay_events,
+            abort_poll_interval=abort_poll_interval,
+        )
+        self._launcher = launcher
+        self._deadlines = deadlines
+        self._gpu = gpu
+        self._resources = resources
+        self._restart = restart
+        self._relay_events = relay_events
+        self._abort_poll_interval = abort_poll_interval
+        self._num_of_processes = num_of_processes
+
+    # ---- configuration -------------------------------------------------------------
+
+    def rank_config(self) -> dict[str, Any]:
+        """What every rank's Client API is told (``--config`` of ``run_script``)."""
+        return {
+            "site_name": self._site,
+            "job_id": self._job,
+            "all_ranks_receive": self._all_ranks_receive,
+            "task_exchange": {
+                ConfigKey.TRAIN_WITH_EVAL: self._train_with_evaluation,
+                ConfigKey.EXCHANGE_FORMAT: self._params_exchange_format,
+                ConfigKey.SERVER_EXPECTED_FORMAT: self._server_expected_format,
+                ConfigKey.TRANSFER_TYPE: self._params_transfer_type,
+                ConfigKey.TRAIN_TASK_NAME: self._train_task_name,
+                ConfigKey.EVAL_TASK_NAME: self._evaluate_task_name,
+                ConfigKey.SUBMIT_MODEL_TASK_NAME: self._submit_model_task_name,
+            },
+        }
+
+    def group_config(self, run_dir: str, app_root: str | None) -> dict[str, Any]:
+        cfg = super().group_config(run_dir, app_root)
+        cwd = app_root or os.getcwd()
+        cfg["worker"] = {
+            "program": sys.executable,
+            "args": [
+                "-m",
+                "rankexec.flare.run_script",
+                "--cwd",
+                cwd,
+                "--config",
+                json.dumps(self.rank_config()),
+                self._script,
+                *self._script_argv,
+            ],
+        }
+        return cfg
+
+    # ---- events --------------------------------------------------------------------
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        if event_type == EventType.START_RUN:
+            self._site = fl_ctx.get_identity_name() or ""
+            self._job = str(fl_ctx.get_job_id() or "")
+            app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
+            script = os.path.join(app_root or os.getcwd(), self._script)
+            if not os.path.isfile(script):
+                self.log_error(fl_ctx, f"cannot start the rank group: no script {script}")
+                self.system_panic(f"rankexec: no script {script}", fl_ctx)
+                return
+        super().handle_event(event_type, fl_ctx)
+
+    def _on_rank_event(self, event: str, rank: int | None, props: dict) -> None:
+        if event != LOG_EVENT:
+            super()._on_rank_event(event, rank, props)
+            return
+        engine = self._engine
+        if engine is None:
+            return
+        record = json.loads(props.get("__rankexec_flare_log__") or "{}")
+        kwargs = dict(record.get("kwargs") or {})
+        writer = kwargs.pop("writer", LogWriterName.TORCH_TB.value)
+        dxo = create_analytic_dxo(
+            tag=record.get("key", ""),
+            value=record.get("value"),
+            data_type=AnalyticsDataType(record.get("data_type")),
+            writer=LogWriterName(writer),
+            **kwargs,
+        )
+        with engine.new_context() as ctx:
+            # Marked as a rank's, so that it is not relayed back down to the ranks.
+            ctx.set_prop(FROM_RANK_PROP, rank, private=True, sticky=False)
+            send_analytic_dxo(self, dxo=dxo, fl_ctx=ctx, event_type=ANALYTIC_EVENT_TYPE)
+
+    # ---- tasks ---------------------------------------------------------------------
+
+    def execute(
+        self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal
+    ) -> Shareable:
+        group = self._group
+        if group is None:
+            self.log_error(fl_ctx, "the rank group is not running (START_RUN failed)")
+            return self._failed("the rank group is not running")
+        shareable.set_header(FLMetaKey.JOB_ID, fl_ctx.get_job_id())
+        shareable.set_header(FLMetaKey.SITE_NAME, fl_ctx.get_identity_name())
+        try:
+            model = FLModelUtils.from_shareable(shareable)
+            blobs, specs, values = pack(model.params)
+            fl = {
+                "params_type": plain(model.params_type, "params_type"),
+                "param_specs": specs,
+                "param_values": values,
+                "metrics": plain(model.metrics, "the task's metrics"),
+                "meta": plain(model.meta or {}, "the task's meta"),
+                "current_round": plain(model.current_round, "current_round"),
+                "total_rounds": plain(model.total_rounds, "total_rounds"),
+                "start_round": plain(model.start_round, "start_round"),
+            }
+        except (TypeError, ValueError, KeyError) as e:
+            self.log_error(fl_ctx, f"task {task_name}: its data cannot reach the ranks: {e}")
+            return self._failed(f"the task's data cannot reach the ranks: {e}")
+        try:
+            result = group.execute(
+                task_name,
+                {MODEL_KEY: fl},
+                blobs,
+                abort_check=lambda: abort_signal.triggered,
+                poll_s=self._poll,
+                abort_reason="FLARE's abort_signal fired",
+            )
+        except Aborted as e:
+            self.log_info(fl_ctx, f"task {task_name} aborted in every rank: {e}")
+            return make_reply(ReturnCode.TASK_ABORTED)
+        except RankFailed as e:
+            self.log_error(fl_ctx, f"task {task_name}: {e}\n{e.report}")
+            return self._failed(str(e))
+        except RankexecError as e:
+            self.log_error(fl_ctx, f"task {task_name} failed: {e}")
+            return self._failed(str(e))
+        if abort_signal.triggered:
+            return make_reply(ReturnCode.TASK_ABORTED)
+        out = result.meta.get(MODEL_KEY)
+        if not isinstance(out, dict):
+            error = f"rank 0 answered task {task_name} without a model (did it call flare.send?)"
+            self.log_error(fl_ctx, error)
+            return self._failed(error)
+        try:
+            reply = FLModelUtils.to_shareable(self._model_of(out, result.blobs))
+        except (TypeError, ValueError) as e:
+            self.log_error(fl_ctx, f"task {task_name}: rank 0's result is not a model: {e}")
+            return self._failed(f"rank 0's result is not a model: {e}")
+        current_round = shareable.get_header(AppConstants.CURRENT_ROUND)
+        if current_round is not None:
+            reply.set_header(AppConstants.CURRENT_ROUND, current_round)
+        return reply
+
+    @staticmethod
+    def _model_of(out: dict, blobs: dict) -> FLModel:
+        params = None
+        if out.get("has_params"):
+            params = unpack(blobs, out.get("param_specs"), out.get("param_values"), writable=False)
+        params_type = out.get("params_type")
+        return FLModel(
+            params_type=ParamsType(params_type) if params_type else None,
+            params=params,
+            metrics=out.get("metrics"),
+            start_round=out.get("start_round"),
+            current_round=out.get("current_round"),
+            total_rounds=out.get("total_rounds"),
+            meta=dict(out.get("meta") or {}),
+        )
+
+
+# The failure header, re-exported for tests and server components.
+__all__ += ["ERROR_HEADER"]
