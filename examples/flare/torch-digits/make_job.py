@@ -22,11 +22,11 @@ HERE = Path(__file__).resolve().parent
 TRAINER = HERE.parents[1] / "python" / "torch_digits" / "trainer.py"
 sys.path.insert(0, str(TRAINER.parent))
 
-from nvflare.app_common.workflows.fedavg import FedAvg  # noqa: E402
-from nvflare.app_opt.pt.job_config.model import PTModel  # noqa: E402
-from nvflare.job_config.api import FedJob  # noqa: E402
-from rankexec.flare import MultiProcessExecutor  # noqa: E402
-from trainer import Net  # noqa: E402
+from nvflare.app_common.workflows.fedavg import FedAvg
+from nvflare.app_opt.pt.job_config.model import PTModel
+from nvflare.job_config.api import FedJob
+from rankexec.flare import MultiProcessExecutor
+from trainer import Net
 
 
 def make_job(out: Path, num_rounds: int = 5, sites: int = 2) -> Path:
