@@ -196,7 +196,7 @@ class MultiProcessExecutor(Executor):
         # FLARE's Job API exports a component's args from its attributes named like its
         # parameters (`name` or `_name`): every argument is kept as given, so a job
         # exported with `job.export_job` carries all of them.
-        for name, value in (
+        job_args: tuple[tuple[str, Any], ...] = (
             ("num_of_processes", num_of_processes),
             ("result", result),
             ("deadlines", deadlines),
@@ -208,8 +208,9 @@ class MultiProcessExecutor(Executor):
             ("abort_poll_interval", abort_poll_interval),
             ("copy_results", copy_results),
             ("server_expected_format", server_expected_format),
-        ):
-            setattr(self, "_" + name, value)
+        )
+        for arg, given in job_args:
+            setattr(self, "_" + arg, given)
 
     def add_to_fed_job(self, job: Any, ctx: Any, **kwargs: Any) -> Any:
         """FLARE's Job API hook (``job.to(executor, site, tasks=[...])``): adds this
