@@ -72,7 +72,7 @@ from rankexec.flare.arrays import (
     plain,
     unpack_data,
 )
-from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup
+from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup, TaskResult
 
 #: Reply header holding the typed error of a failed rank group.
 ERROR_HEADER = "rankexec_error"
@@ -393,6 +393,26 @@ class MultiProcessExecutor(Executor):
         except Unsendable as e:
             self.log_error(fl_ctx, f"task {task_name}: cannot send to the ranks: {e}")
             return self._failed(f"task input {e}")
+        result = self._run(group, task_name, meta, blobs, fl_ctx, abort_signal)
+        if isinstance(result, Shareable):
+            return result
+        try:
+            return self._reply(result.meta, result.blobs, meta.get(ARRAYS_KEY), dxo)
+        except (Unsendable, ValueError) as e:
+            self.log_error(fl_ctx, f"task {task_name}: cannot return the ranks' result: {e}")
+            return self._failed(f"task result {e}")
+
+    def _run(
+        self,
+        group: RankGroup,
+        task_name: str,
+        meta: dict[str, Any],
+        blobs: dict[str, Any],
+        fl_ctx: FLContext,
+        abort_signal: Signal,
+    ) -> TaskResult | Shareable:
+        """Runs the task on every rank with FLARE's abort signal: the ranks' result, or
+        the reply for FLARE when it was aborted or failed (logged)."""
         try:
             result = group.execute(
                 task_name,
@@ -413,11 +433,7 @@ class MultiProcessExecutor(Executor):
             return self._failed(str(e))
         if abort_signal.triggered:
             return make_reply(ReturnCode.TASK_ABORTED)
-        try:
-            return self._reply(result.meta, result.blobs, meta.get(ARRAYS_KEY), dxo)
-        except (Unsendable, ValueError) as e:
-            self.log_error(fl_ctx, f"task {task_name}: cannot return the ranks' result: {e}")
-            return self._failed(f"task result {e}")
+        return result
 
     @staticmethod
     def _task_input(shareable: Shareable) -> tuple[dict[str, Any], dict[str, Any], DXO | None]:

@@ -41,9 +41,9 @@ from typing import Any
 import nvflare
 from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, LogWriterName
 from nvflare.apis.event_type import EventType
-from nvflare.apis.fl_constant import FLContextKey, FLMetaKey, ReturnCode
+from nvflare.apis.fl_constant import FLContextKey, FLMetaKey
 from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.shareable import Shareable
 from nvflare.apis.signal import Signal
 from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic_dxo
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
@@ -54,7 +54,6 @@ from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
 from rankexec.flare._params import pack, plain, unpack
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
-from rankexec.host import Aborted, RankexecError, RankFailed
 
 __all__ = ["ScriptExecutor"]
 
@@ -250,26 +249,9 @@ class ScriptExecutor(MultiProcessExecutor):
         except (TypeError, ValueError, KeyError) as e:
             self.log_error(fl_ctx, f"task {task_name}: its data cannot reach the ranks: {e}")
             return self._failed(f"the task's data cannot reach the ranks: {e}")
-        try:
-            result = group.execute(
-                task_name,
-                {MODEL_KEY: fl},
-                blobs,
-                abort_check=lambda: abort_signal.triggered,
-                poll_s=self._poll,
-                abort_reason="FLARE's abort_signal fired",
-            )
-        except Aborted as e:
-            self.log_info(fl_ctx, f"task {task_name} aborted in every rank: {e}")
-            return make_reply(ReturnCode.TASK_ABORTED)
-        except RankFailed as e:
-            self.log_error(fl_ctx, f"task {task_name}: {e}\n{e.report}")
-            return self._failed(str(e))
-        except RankexecError as e:
-            self.log_error(fl_ctx, f"task {task_name} failed: {e}")
-            return self._failed(str(e))
-        if abort_signal.triggered:
-            return make_reply(ReturnCode.TASK_ABORTED)
+        result = self._run(group, task_name, {MODEL_KEY: fl}, blobs, fl_ctx, abort_signal)
+        if isinstance(result, Shareable):
+            return result
         out = result.meta.get(MODEL_KEY)
         if not isinstance(out, dict):
             error = f"rank 0 answered task {task_name} without a model (did it call flare.send?)"
