@@ -6,11 +6,18 @@ examples/flare/client-api/job.py) under the real ``nvflare simulator`` twice; th
 jobs differ only in the client executor. Figures come from the site logs'
 timestamps:
 
-- ``startup_s``: from the executor's START_RUN (FLARE: ``launching external
+- ``first_task_s``: from the executor's START_RUN (FLARE: ``launching external
   trainer``; rankexec: the group's start, ``ready in X ms`` before its log line) to
-  the end of the first task, minus that round's training (what the script prints);
+  the end of the first task;
+- ``script_startup_s``: the part of it that is the script's own work, from probes
+  printed by the example script on rank 0 (the same probes on both sides, see
+  ``_probed``): its first line to ``flare.init()``, ``flare.init()`` returning to its
+  first ``is_running()``, and round 0 from ``receive()`` returning to ``send()``;
+  ``executor_startup_s`` is the rest (launching the interpreters, ``flare.init()``,
+  delivering the first task and its result);
 - ``round_overhead_s``: the executor's time per later round (``invoking task
-  executor`` to ``finished processing task``) minus the script's training time;
+  executor`` to ``finished processing task``) minus the script's own work in it
+  (``receive()`` returning to ``send()`` being called; ``script_round_s``);
 - ``wall_s``: the whole simulator run;
 - ``raise_to_error_s``: a rank raising during a gloo collective in round 1 (the time
   it printed) to the client's first error log line about it;
@@ -132,6 +139,61 @@ while flare.is_running():
 """
 
 
+_PROBE = """import os as _bench_os, time as _bench_time
+
+
+def _bench(what):
+    print(f"BENCH {what} {_bench_os.environ.get('RANK', '0')} {_bench_time.time():.6f}", flush=True)
+
+
+"""
+
+
+def _probed(script: str) -> str:
+    """The example script with timestamps printed around its Client API calls (the
+    same probes on both sides): ``BENCH <what> <rank> <time.time()>``. They split a
+    round into the script's own work (receive() returning to send() being called) and
+    the executor's, and the start-up into the script's own (its first line to
+    ``flare.init``, and ``flare.init`` returning to the first ``is_running``) and the
+    executor's (the rest)."""
+
+    def probe(what: str, indent: str) -> str:
+        return f"{indent}_bench({what!r})\n"
+
+    out = _PROBE + probe("script_start", "") + script
+    swaps = [
+        (
+            "    flare.init(rank=str(rank))\n",
+            probe("init_begin", "    ")
+            + "    flare.init(rank=str(rank))\n"
+            + probe("init_end", "    "),
+        ),
+        (
+            "        if rank == 0 and flare.is_running():\n            input_model = flare.receive()\n",
+            probe("ask", "        ")
+            + "        if rank == 0 and flare.is_running():\n            input_model = flare.receive()\n"
+            + probe("received", "            "),
+        ),
+        (
+            "            flare.send(\n                flare.FLModel(\n                    params=model.state_dict(),\n",
+            probe("sending", "            ")
+            + "            flare.send(\n                flare.FLModel(\n                    params=model.state_dict(),\n",
+        ),
+    ]
+    for a, b in swaps:
+        if a not in out:
+            raise RuntimeError(f"the example script changed: no {a!r}")
+        out = out.replace(a, b, 1)
+    return out
+
+
+def _probes(text: str) -> list[tuple[str, int, float]]:
+    return [
+        (m.group(1), int(m.group(2)), float(m.group(3)))
+        for m in re.finditer(r"BENCH (\w+) (\d+) ([\d.]+)", text)
+    ]
+
+
 def _epoch(line: str) -> float | None:
     m = TS.match(line)
     if not m:
@@ -247,19 +309,45 @@ def _start_run(lines: list[str], kind: str) -> float:
     raise RuntimeError("no START_RUN line")
 
 
+def _rank_text(ws: Path, site: str, kind: str) -> str:
+    if kind == "torchrun":
+        return "\n".join(_site_lines(ws, site))
+    ranks = ws / site / "simulate_job" / "rankexec"
+    return "\n".join(f.read_text() for f in sorted(ranks.glob("rank-*/stdout.log")))
+
+
 def digits(root: Path, kind: str) -> dict:
-    job = _job(kind, root, f"digits-{kind}")
+    script = _probed((EXAMPLE / "client.py").read_text())
+    job = _job(kind, root, f"digits-{kind}", script=script)
     ws = root / f"ws-digits-{kind}"
     rc, wall = simulate(job, ws)
     out = {"scenario": "digits", "executor": kind, "rc": rc, "wall_s": wall}
-    startups, overheads = [], []
+    firsts, own_startups, overheads, own_rounds, trains = [], [], [], [], []
     for site in ("site-1", "site-2"):
         lines = _site_lines(ws, site)
         spans, train = _tasks(lines), _train_times(ws, site, kind)
-        startups.append(spans[0][1] - _start_run(lines, kind) - train[0])
-        overheads += [(b - a) - t for (a, b), t in zip(spans[1:], train[1:], strict=False)]
-    out["startup_s"] = sum(startups) / len(startups)
+        probes = sorted(set(_probes(_rank_text(ws, site, kind))), key=lambda p: p[2])
+        at = {
+            w: [t for (w2, r, t) in probes if w2 == w and r == 0]
+            for w in ("script_start", "init_begin", "init_end", "ask", "received", "sending")
+        }
+        # The script's own work in round i: receive() returned -> send() called.
+        own = [s - r for r, s in zip(at["received"], at["sending"], strict=False)]
+        first = spans[0][1] - _start_run(lines, kind)
+        own_start = (at["init_begin"][0] - at["script_start"][0]) + (
+            at["ask"][0] - at["init_end"][0]
+        )
+        firsts.append(first)
+        own_startups.append(own_start + own[0])
+        overheads += [(b - a) - o for (a, b), o in zip(spans[1:], own[1:], strict=False)]
+        own_rounds += own[1:]
+        trains += train
+    out["first_task_s"] = sum(firsts) / len(firsts)
+    out["script_startup_s"] = sum(own_startups) / len(own_startups)
+    out["executor_startup_s"] = out["first_task_s"] - out["script_startup_s"]
     out["round_overhead_s"] = sum(overheads) / len(overheads)
+    out["script_round_s"] = sum(own_rounds) / len(own_rounds)
+    out["training_s"] = sum(trains) / len(trains)
     out["tracebacks"] = sum(
         "Traceback" in line for s in ("site-1", "site-2") for line in _site_lines(ws, s)
     )
@@ -391,6 +479,7 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated: digits,raise,big")
     p.add_argument("--out", default=None)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--impl", default="torchrun,rankexec", help="which sides to run")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rankexec-ca-bench-"))
     results = []
@@ -400,7 +489,7 @@ def main() -> int:
             names = {"digits": digits, "raise": raising, "big": big, "abort": aborted}
             scenarios = [names[n] for n in args.only.split(",")]
         for scenario in scenarios:
-            for kind in ("torchrun", "rankexec"):
+            for kind in args.impl.split(","):
                 r = scenario(root, kind)
                 print(json.dumps(r), flush=True)
                 results.append(r)
@@ -413,8 +502,11 @@ def main() -> int:
     )
     print("|---|---|---|---|")
     for scenario, key, label in (
-        ("digits", "startup_s", "time to first task (minus training), s"),
-        ("digits", "round_overhead_s", "per-round overhead (executor time minus training), s"),
+        ("digits", "first_task_s", "time to first task (START_RUN to its result), s"),
+        ("digits", "script_startup_s", "  of which the script's own (imports, set-up, round 0), s"),
+        ("digits", "executor_startup_s", "  of which the executor's (launch, init, delivery), s"),
+        ("digits", "round_overhead_s", "per-round overhead (task time minus the script's), s"),
+        ("digits", "script_round_s", "  the script's own work per round (not overhead), s"),
         ("digits", "wall_s", "whole job (3 rounds, 2 clients x 2 ranks), s"),
         ("raise", "raise_to_error_s", "a rank raising: to the client's error log, s"),
         ("abort", "abort_to_task_end_s", "an abort: workflow end to the aborted task's end, s"),

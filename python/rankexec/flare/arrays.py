@@ -17,7 +17,9 @@ with ``Unsendable``, which names the key: nothing is dropped.
 Rank code reads its input with ``unpack_data(input.meta, input.blobs)`` (arrays as
 read-only views of the blobs, tensors as copy-on-write views, members as ``Member``)
 and builds its result with ``pack_data(data, kind=..., meta=...)``; ``from_blobs`` and
-``to_blobs`` are the flat forms for data without members. An output blob without a
+``to_blobs`` are the flat forms for data without members, and ``pack_flat`` and
+``unpack_flat`` carry a FLARE Client API model's params (``rankexec.flare.ScriptExecutor``)
+the same way. An output blob without a
 spec takes the input's spec for the same name, else it is returned as bytes
 (``uint8``).
 
@@ -27,6 +29,7 @@ This module imports neither nvflare nor torch (torch only when a tensor is met).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from enum import Enum
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,9 +42,11 @@ __all__ = [
     "Unsendable",
     "from_blobs",
     "pack_data",
+    "pack_flat",
     "plain",
     "to_blobs",
     "unpack_data",
+    "unpack_flat",
 ]
 
 ARRAYS_KEY = "dxo_arrays"
@@ -88,6 +93,10 @@ def plain(v: Any, key: str) -> Any:
             raise Unsendable(key, f"the int {v} does not fit in 64 bits")
         return v
     if isinstance(v, np.generic) and not isinstance(v, np.void | np.object_):
+        return plain(v.item(), key)
+    if isinstance(v, Enum):
+        return plain(v.value, key)
+    if _is_torch(v) and getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
         return plain(v.item(), key)
     if isinstance(v, list | tuple):
         return [plain(x, f"{key}[{i}]") for i, x in enumerate(v)]
@@ -186,7 +195,9 @@ def _pack(
     return out
 
 
-def _from_spec(blob: Any, spec: Mapping[str, Any], name: str, copy: bool) -> Any:
+def _from_spec(
+    blob: Any, spec: Mapping[str, Any], name: str, copy: bool, writable: bool = False
+) -> Any:
     try:
         shape = tuple(int(d) for d in spec["shape"])
         dtype_name = spec["dtype"]
@@ -230,6 +241,12 @@ def _from_spec(blob: Any, spec: Mapping[str, Any], name: str, copy: bool) -> Any
             f"the blob holds {a.size} bytes, {dtype} of shape {list(shape)} needs "
             f"{count * dtype.itemsize}",
         )
+    cow = getattr(blob, "copy_on_write", None)
+    if writable and not copy and cow is not None and a.size:
+        # A rank's input: a private copy-on-write mapping, writable, no copy until written.
+        a = np.frombuffer(cow(), dtype=np.uint8)
+    elif writable and not a.flags.writeable:
+        copy = True
     out = a.view(dtype).reshape(shape)
     return out.copy() if copy else out
 
@@ -274,6 +291,53 @@ def _unpack(meta, blobs, path, used, member, copy) -> dict[str, Any]:
         inner = _unpack(m, blobs, (*path, name), used, member, copy)
         data[name] = member(str(m.get(KIND_KEY, "")), inner, dict(m.get(META_KEY) or {}))
     return data
+
+
+def pack_flat(
+    data: Mapping[str, Any] | None, where: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(blobs, specs, values)`` for flat data (a Client API model's params): arrays
+    and tensors as blobs with their specs, every other value as metadata; raises
+    ``Unsendable`` naming the first key that cannot travel."""
+    if data is None:
+        return {}, {}, {}
+    if not isinstance(data, Mapping):
+        raise Unsendable(where, f"a {type(data).__name__}, not a dict of arrays or tensors")
+    blobs: dict[str, Any] = {}
+    specs: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for name, v in data.items():
+        if not isinstance(name, str):
+            raise Unsendable(f"{where}[{name!r}]", "a key must be a str")
+        key = f"{where}.{name}"
+        if isinstance(v, np.ndarray) or _is_torch(v):
+            blobs[name], specs[name] = _array_blob(v, key)
+        else:
+            values[name] = plain(v, key)
+    return blobs, specs, values
+
+
+def unpack_flat(
+    blobs: Mapping[str, Any],
+    specs: Mapping[str, Any] | None,
+    values: Mapping[str, Any] | None = None,
+    *,
+    writable: bool,
+) -> dict[str, Any]:
+    """The data ``pack_flat`` packed. In a rank (``writable``) arrays and tensors are
+    copy-on-write mappings of the blobs' shared memory (no copy; writes stay in the
+    rank); on the host arrays are read-only views and tensors copy-on-write mappings
+    where the blob offers one, else copies."""
+    out: dict[str, Any] = {}
+    for name, spec in (specs or {}).items():
+        blob = blobs.get(name)
+        if blob is None:
+            raise Unsendable(name, "it has a spec but no blob")
+        if not isinstance(spec, Mapping):
+            raise Unsendable(name, f"its spec {spec!r} is not a dict")
+        out[name] = _from_spec(blob, spec, name, False, writable)
+    out.update(values or {})
+    return out
 
 
 def to_blobs(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:

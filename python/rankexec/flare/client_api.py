@@ -1,11 +1,12 @@
 """FLARE's Client API (``import nvflare.client as flare``) served by the rank runtime.
 
 Each rank of a ``rankexec.flare.ScriptExecutor`` runs ``python -m
-rankexec.flare.run_script``, which starts the rank runtime, puts a ``RankClientAPI`` on
-FLARE's process-wide data bus under ``CLIENT_API`` and then runs the user's script as
+rankexec.flare.run_script``, which starts the rank runtime and runs the user's script as
 ``python SCRIPT ARGS`` would (``__main__``, ``sys.argv``, the script's directory first
-on ``sys.path``, the app folder as working directory). The script's unchanged
-``flare.init()`` finds it there: with no bootstrap file and ``CLIENT_API_TYPE`` set to
+on ``sys.path``, the app folder as working directory; see
+``rankexec.flare._script_rank``). When the script's ``import nvflare.client`` completes,
+``install`` puts a ``RankClientAPI`` on FLARE's process-wide data bus under
+``CLIENT_API``, and the script's unchanged ``flare.init()`` finds it there: with no bootstrap file and ``CLIENT_API_TYPE`` set to
 ``IN_PROCESS_API``, FLARE 2.9's ``APIContext`` takes the ``InProcessClientAPI`` stored
 on the data bus (``nvflare/client/api_context.py``), the hook FLARE's own in-process
 executor uses. ``RankClientAPI`` subclasses ``InProcessClientAPI`` for that check and
@@ -39,26 +40,23 @@ import copy
 import json
 import os
 import queue
-import runpy
 import sys
-import threading
-import traceback
 from typing import Any
 
 from nvflare.apis.analytix import AnalyticsDataType
 from nvflare.apis.fl_constant import FLMetaKey
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
-from nvflare.client.api_spec import CLIENT_API_KEY, CLIENT_API_TYPE_KEY, APISpec
-from nvflare.client.cell.bootstrap import BOOTSTRAP_FILE_ENV_VAR
+from nvflare.client.api_spec import CLIENT_API_KEY, APISpec
 from nvflare.client.config import ClientConfig, ConfigKey, ExchangeFormat, TransferType
 from nvflare.client.converter_utils import convert_params
 from nvflare.client.in_process.api import InProcessClientAPI
 from nvflare.fuel.data_event.data_bus import DataBus
 
-from rankexec import TaskAborted, _rankexec
-from rankexec.flare._params import pack, plain, unpack
+from rankexec import TaskAborted
+from rankexec.flare._script_rank import ScriptEnded, TaskFeed
+from rankexec.flare.arrays import pack_flat, plain, unpack_flat
 
-__all__ = ["LOG_EVENT", "TESTED_FLARE", "RankClientAPI", "ScriptEnded", "main"]
+__all__ = ["LOG_EVENT", "TESTED_FLARE", "RankClientAPI", "ScriptEnded", "install"]
 
 #: The nvflare versions this hook is tested with.
 TESTED_FLARE = ("2.9.0",)
@@ -68,8 +66,12 @@ LOG_EVENT = "rankexec.flare.client_api.log"
 MODEL_KEY = "flare_model"
 
 
-class ScriptEnded(RuntimeError):
-    """The script ended while its rank still held a task it had not answered."""
+def install(config: dict[str, Any], feed: TaskFeed) -> RankClientAPI:
+    """Builds the rank's Client API over `feed` and puts it where FLARE's
+    ``flare.init()`` looks for an in-process API (the data bus)."""
+    api = RankClientAPI(config, feed)
+    DataBus().put_data(CLIENT_API_KEY, api)
+    return api
 
 
 class RankClientAPI(InProcessClientAPI):
@@ -79,9 +81,10 @@ class RankClientAPI(InProcessClientAPI):
     none of its data-bus machinery is used.
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], feed: TaskFeed) -> None:
         APISpec.__init__(self)  # not InProcessClientAPI's: no data-bus subscriptions
         self._config = config
+        self._feed = feed
         self._all_ranks = bool(config.get("all_ranks_receive", False))
         self._exchange: dict[str, Any] = dict(config.get("task_exchange") or {})
         self.client_config = ClientConfig(
@@ -96,83 +99,32 @@ class RankClientAPI(InProcessClientAPI):
         self.fl_model: FLModel | None = None
         self.receive_called = False
         self._params_conversion_state: dict[str, Any] = {}
-        self._tasks: queue.Queue[Any] = queue.Queue()
-        self._task: Any = None  # the unanswered task of this rank
-        self._task_name: str | None = None
         self._fresh = False  # a model fetched by is_running(), not yet taken by receive()
-        self._ctx: Any = None  # the latest context (fires log events)
-        self._closed = False
-        self._ended = False  # the group closed (or the runtime failed)
-        self._lock = threading.Lock()
 
-    # ---- the runtime side ----------------------------------------------------------
+    # The state shared with the feed's receiver thread.
+    @property
+    def _task(self) -> Any:
+        return self._feed.task
 
-    def serve(self, rank: _rankexec.Rank, group_rank: int) -> None:
-        """Starts the receiver thread. Rank 0 of the group (and, with
-        ``all_ranks_receive``, every rank) queues its tasks for the script; any other
-        rank answers each task at once, as its script never sees one."""
-        ack_only = group_rank != 0 and not self._all_ranks
-        threading.Thread(
-            target=self._receive_loop,
-            args=(rank, ack_only),
-            name="rankexec-client-api",
-            daemon=True,
-        ).start()
+    @_task.setter
+    def _task(self, task: Any) -> None:
+        self._feed.task = task
 
-    def _receive_loop(self, rank: _rankexec.Rank, ack_only: bool) -> None:
-        while True:
-            try:
-                task = rank.receive()
-            except BaseException as e:  # noqa: BLE001 - handed to the script's thread
-                self._tasks.put(e)
-                return
-            if task is None:
-                code = rank.exit_code
-                if code:
-                    # The runtime stopped for another reason than the host's Close (the
-                    # host died, the link broke): the script has nobody to work for.
-                    _end_now(code, f"the rank runtime stopped (exit code {code})")
-                held = self._task
-                if held is not None and not self._closed:
-                    # The group closes while this rank's script still works on a task:
-                    # the group failed or the job ended. Nothing will take the result.
-                    _end_now(1, f"the rank group closed during task `{held.name}`")
-                self._tasks.put(None)
-                return
-            self._ctx = task.ctx
-            if ack_only:
-                task.reply(meta={"rank_ack": True})
-            else:
-                self._tasks.put(task)
+    @property
+    def _task_name(self) -> str | None:
+        return self._feed.task_name
 
-    def serve_after_script(self, code: int) -> None:
-        """The script returned while the group lives on (a rank other than 0 that left
-        its loop, as under torchrun): the rank stays until the group closes, answering
-        tasks (rank 0's and every ``all_ranks_receive`` rank's fail: nobody serves them)."""
-        if self._ended:
-            return
-        self._closed = True
-        while (item := self._tasks.get()) is not None:
-            if isinstance(item, BaseException):
-                return
-            item.fail(ScriptEnded(f"the script on this rank ended (exit code {code})"))
+    @property
+    def _closed(self) -> bool:
+        return self._feed.closed
 
-    def on_event(self, event: str, ctx: Any) -> None:
-        """The rank's event handler: keeps a context to fire log events with."""
-        del event
-        self._ctx = ctx
+    @_closed.setter
+    def _closed(self, closed: bool) -> None:
+        self._feed.closed = closed
 
     def fail_pending(self, error: BaseException) -> bool:
         """Fails the unanswered task with `error`; returns whether there was one."""
-        with self._lock:
-            task, self._task = self._task, None
-        if task is None:
-            return False
-        try:
-            task.fail(error)
-        except Exception:  # noqa: BLE001 - the task was answered meanwhile
-            return False
-        return True
+        return self._feed.fail_pending(error)
 
     # ---- FLARE's Client API --------------------------------------------------------
 
@@ -196,7 +148,7 @@ class RankClientAPI(InProcessClientAPI):
 
     def _answer_unsent(self) -> None:
         """A rank whose result does not count: its part of the task is an ack."""
-        with self._lock:
+        with self._feed.lock:
             task, self._task = self._task, None
         if task is not None:
             task.reply(meta={"rank_ack": True})
@@ -221,18 +173,18 @@ class RankClientAPI(InProcessClientAPI):
     def _next(self, timeout: float | None) -> FLModel | None:
         while True:
             try:
-                item = self._tasks.get(timeout=timeout)
+                item = self._feed.tasks.get(timeout=timeout)
             except queue.Empty:
                 return None
             if item is None:
-                self._closed = self._ended = True
+                self._feed.closed = self._feed.ended = True
                 return None
             if isinstance(item, BaseException):
-                self._closed = self._ended = True
+                self._feed.closed = self._feed.ended = True
                 raise item
             self._task = item
-            self._task_name = item.name
-            self._ctx = item.ctx
+            self._feed.task_name = item.name
+            self._feed.ctx = item.ctx
             if item.abort.triggered:  # aborted before the script saw it
                 self._settle_aborted()
                 continue
@@ -244,7 +196,7 @@ class RankClientAPI(InProcessClientAPI):
         fl = dict(task.meta.get(MODEL_KEY) or {})
         params = None
         if fl.get("param_specs") or fl.get("param_values"):
-            params = unpack(
+            params = unpack_flat(
                 task.blobs, fl.get("param_specs"), fl.get("param_values"), writable=True
             )
             params = convert_params(
@@ -316,7 +268,7 @@ class RankClientAPI(InProcessClientAPI):
             self._exchange.get(ConfigKey.SERVER_EXPECTED_FORMAT, ExchangeFormat.NUMPY),
             self._params_conversion_state,
         )
-        blobs, specs, values = pack(wire.params)
+        blobs, specs, values = pack_flat(wire.params, "FLModel.params")
         params_type = wire.params_type
         fl = {
             "has_params": wire.params is not None,
@@ -329,7 +281,7 @@ class RankClientAPI(InProcessClientAPI):
             "total_rounds": plain(wire.total_rounds, "FLModel.total_rounds"),
             "start_round": plain(wire.start_round, "FLModel.start_round"),
         }
-        with self._lock:
+        with self._feed.lock:
             self._task = None
         task.reply(meta={MODEL_KEY: fl}, blobs=blobs)
 
@@ -376,7 +328,7 @@ class RankClientAPI(InProcessClientAPI):
 
     def log(self, key: str, value: Any, data_type: AnalyticsDataType, **kwargs: Any) -> None:
         self._require_control("log")
-        ctx = self._ctx
+        ctx = self._feed.ctx
         if ctx is None:
             raise RuntimeError("flare.log before the rank group delivered any event or task")
         record = {
@@ -396,94 +348,3 @@ class RankClientAPI(InProcessClientAPI):
 
     def close(self) -> None:
         self._closed = True
-
-
-# ---- the rank program ---------------------------------------------------------------
-
-
-def _error_file(exc: BaseException) -> None:
-    """Writes `exc` where torchrun's `record` would (the host quotes its message)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    message = f"{type(exc).__name__}: {exc}"
-    stack = "".join(traceback.format_exception(exc))
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": stack}}}, f)
-    except OSError:
-        pass  # the stderr tail still says it
-
-
-def _end_now(code: int, message: str) -> None:
-    """Ends this process at once (no interpreter teardown), saying why on stderr if
-    stderr still works (its reader may be the dead parent)."""
-    try:
-        sys.stderr.write(f"rankexec: {message}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    os._exit(code)
-
-
-def _parse(argv: list[str]) -> tuple[str, dict[str, Any], str, list[str]]:
-    """``--cwd DIR --config JSON SCRIPT [ARGS...]``."""
-    cwd, config = "", {}
-    i = 0
-    while i < len(argv) and argv[i] in ("--cwd", "--config"):
-        if i + 1 >= len(argv):
-            raise SystemExit(f"rankexec.flare.run_script: {argv[i]} needs a value")
-        if argv[i] == "--cwd":
-            cwd = argv[i + 1]
-        else:
-            config = json.loads(argv[i + 1])
-        i += 2
-    if i >= len(argv):
-        raise SystemExit("usage: python -m rankexec.flare.run_script [--cwd DIR] SCRIPT [ARGS]")
-    return cwd, config, argv[i], argv[i + 1 :]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Serves this process as a rank running a Client API script (see the module docs)."""
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("--check-components", "--list-components"):
-        print(json.dumps({"ok": True, "errors": []}) if args[0] == "--check-components" else "[]")
-        return 0
-    cwd, config, script, script_args = _parse(args)
-    api = RankClientAPI(config)
-    rank = _rankexec.start("script", api.on_event)
-    api.serve(rank, int(os.environ.get("RANK", "0")))
-    if cwd:
-        os.chdir(cwd)
-    # FLARE's APIContext: no bootstrap, in-process type, our API on the data bus.
-    os.environ.pop(BOOTSTRAP_FILE_ENV_VAR, None)
-    os.environ[CLIENT_API_TYPE_KEY] = "IN_PROCESS_API"
-    DataBus().put_data(CLIENT_API_KEY, api)
-    path = os.path.abspath(script)
-    sys.argv = [script, *script_args]
-    sys.path[0] = os.path.dirname(path)
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code != 0:
-            api.fail_pending(ScriptEnded(f"the script exited with code {e.code}"))
-    except BaseException as e:  # noqa: BLE001 - reported to the host, then the rank ends
-        if e.__traceback__ is not None:
-            e.__traceback__ = e.__traceback__.tb_next  # start at the script's frame
-        # Not reported through the task: when one rank's exception makes the others
-        # fail in a collective, the first process to end is the root cause.
-        _error_file(e)
-        traceback.print_exception(e, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # No interpreter teardown (torch's can take seconds): the host learns of the
-        # failure when this process is gone, and the rank is over anyway.
-        os._exit(1)
-    if api.fail_pending(ScriptEnded(f"the script ended without answering task `{api._task_name}`")):
-        code = code or 1
-    if code == 0:
-        api.serve_after_script(code)
-    return code

@@ -38,6 +38,6 @@ def _die_with_parent() -> None:
 
 if __name__ == "__main__":
     _die_with_parent()
-    from rankexec.flare.client_api import main
+    from rankexec.flare._script_rank import main
 
     sys.exit(main())

@@ -20,10 +20,13 @@ FLARE's meaning and defaults (``train_task_name``, ``evaluate_task_name``,
 ``server_expected_format``, ``params_transfer_type``); rankexec's group arguments
 (``launcher``, ``deadlines``, ``gpu``, ``resources``, ``env``, ``restart``) are those of
 ``rankexec.flare.MultiProcessExecutor``, which this class extends (START_RUN, END_RUN,
-aborts and events as there).
+aborts and events as there). FLARE's other events are not relayed to the ranks by
+default (``relay_events=False``): a Client API script has no way to see them, FLARE's
+``ClientAPIExecutor`` forwards none, and each relay is a round trip to every rank,
+eight of them per task.
 
 Each task's ``FLModel`` travels to the ranks as blobs (numpy arrays and torch tensors,
-see ``rankexec.flare._params``) with its ``meta``, ``metrics`` and rounds in the task's
+see ``rankexec.flare.arrays``) with its ``meta``, ``metrics`` and rounds in the task's
 meta; rank 0's ``flare.send()`` comes back the same way and is returned to FLARE as
 ``FLModelUtils.to_shareable`` builds it. ``flare.log`` records (FLARE's tracking
 writers) become FLARE analytics events (``analytix_log_stats``), as
@@ -51,7 +54,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
 
-from rankexec.flare._params import pack, plain, unpack
+from rankexec.flare.arrays import pack_flat, plain, unpack_flat
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
 
@@ -100,7 +103,7 @@ class ScriptExecutor(MultiProcessExecutor):
         launcher: Any = "builtin",
         env: dict | None = None,
         restart: dict | None = None,
-        relay_events: bool | list[str] = True,
+        relay_events: bool | list[str] = False,
         abort_poll_interval: float = 0.005,
     ) -> None:
         version = getattr(nvflare, "__version__", "?")
@@ -235,7 +238,7 @@ class ScriptExecutor(MultiProcessExecutor):
         shareable.set_header(FLMetaKey.SITE_NAME, fl_ctx.get_identity_name())
         try:
             model = FLModelUtils.from_shareable(shareable)
-            blobs, specs, values = pack(model.params)
+            blobs, specs, values = pack_flat(model.params, "the task's params")
             fl = {
                 "params_type": plain(model.params_type, "params_type"),
                 "param_specs": specs,
@@ -271,7 +274,9 @@ class ScriptExecutor(MultiProcessExecutor):
     def _model_of(out: dict, blobs: dict) -> FLModel:
         params = None
         if out.get("has_params"):
-            params = unpack(blobs, out.get("param_specs"), out.get("param_values"), writable=False)
+            params = unpack_flat(
+                blobs, out.get("param_specs"), out.get("param_values"), writable=False
+            )
         params_type = out.get("params_type")
         return FLModel(
             params_type=ParamsType(params_type) if params_type else None,

@@ -115,9 +115,10 @@ PREAMBLE = """
     args = p.parse_args()
     rank = int(os.environ["RANK"])
 
-    def mark(name, text=""):
-        with open(os.path.join(args.marks, name), "w") as f:
+    def mark(name, text=""):  # atomic: the test may read it while it is written
+        with open(os.path.join(args.marks, name + ".tmp"), "w") as f:
             f.write(text)
+        os.rename(os.path.join(args.marks, name + ".tmp"), os.path.join(args.marks, name))
 """
 
 ECHO = (
@@ -167,6 +168,8 @@ def test_script_runs_as_python_script_with_torchrun_env_and_flare_semantics(tmp_
     assert meta["in_meta"]["site_name"] == "site-7" and meta["in_meta"]["job_id"] == "job-1"
     assert reply.get_header(AppConstants.CURRENT_ROUND) == 1
     for r in (0, 1):
+        # Rank 1's script writes its mark at its own pace (rank 0 does not wait for it).
+        assert wait_until(lambda r=r: (g.marks / f"start-{r}").exists(), timeout=CAP_S)
         start = json.loads((g.marks / f"start-{r}").read_text())
         assert start["name"] == "__main__"
         assert start["argv"] == ["custom/client.py", "--marks", str(g.marks)]
@@ -358,7 +361,9 @@ def test_an_abort_reaches_every_receiving_rank_and_the_group_survives(tmp_path, 
     assert info.value.forced is False  # every rank answered: the group lives on
     assert g.group.pids() == g.pids
     for r in receiving:
-        assert "task `train` was aborted (the controller aborted)" in g.stderr(r)
+        # The rank's stderr reaches its log file through the host's relay thread.
+        warning = "task `train` was aborted (the controller aborted)"
+        assert wait_until(lambda r=r: warning in g.stderr(r), timeout=CAP_S), g.stderr(r)
     reply = g.execute("train", {"w": np.ones(2, np.float32)}, round_=1)
     np.testing.assert_array_equal(from_shareable(reply).data["w"], np.full(2, 2, np.float32))
     assert g.close()["escalated"] is None
@@ -406,3 +411,50 @@ def test_the_executor_refuses_a_script_that_is_not_python(tmp_path):
     with pytest.raises(ValueError, match="params_exchange_format must be one of"):
         ScriptExecutor(script="custom/client.py", params_exchange_format="jax")
     assert os.path.basename(__file__)
+
+
+def test_the_script_starts_before_flare_is_imported_and_its_own_import_installs_the_api(
+    tmp_path, groups
+):
+    """A rank runs the script without importing nvflare first (the script imports it
+    anyway: the rank must not pay for it twice); the script's own import installs
+    the rank's Client API, here through a submodule imported before the package."""
+    g = groups(
+        tmp_path,
+        """
+        import json, os, sys
+        first = sorted(m for m in sys.modules if m.split(".")[0] == "nvflare")
+        from nvflare.client.tracking import SummaryWriter  # imports nvflare.client first
+        import nvflare.client as flare
+
+        flare.init()
+        rank = int(os.environ["RANK"])
+        marks = sys.argv[sys.argv.index("--marks") + 1]
+        with open(os.path.join(marks, f"first-{rank}.tmp"), "w") as f:
+            json.dump(first, f)
+        os.rename(os.path.join(marks, f"first-{rank}.tmp"), os.path.join(marks, f"first-{rank}"))
+        while flare.is_running():
+            m = flare.receive()
+            flare.send(flare.FLModel(params={k: v + 1 for k, v in m.params.items()}))
+        """,
+    )
+    reply = g.execute("train", {"w": np.arange(3, dtype=np.float32)})
+    assert reply.get_return_code() == "OK", reply
+    assert from_shareable(reply).data["w"].tolist() == [1.0, 2.0, 3.0]
+    for rank in (0, 1):
+        mark = g.marks / f"first-{rank}"
+        assert wait_until(lambda mark=mark: mark.exists() and mark.read_text(), timeout=CAP_S)
+        assert json.loads(mark.read_text()) == []
+    g.close()
+
+
+def test_the_rank_program_uses_flare_s_own_names_for_its_hook():
+    """The rank program names FLARE's environment variables without importing nvflare;
+    they must be FLARE's."""
+    from nvflare.client.api_spec import CLIENT_API_TYPE_KEY
+    from nvflare.client.cell.bootstrap import BOOTSTRAP_FILE_ENV_VAR
+
+    from rankexec.flare import _script_rank
+
+    assert _script_rank.CLIENT_API_TYPE_ENV == CLIENT_API_TYPE_KEY
+    assert _script_rank.BOOTSTRAP_FILE_ENV == BOOTSTRAP_FILE_ENV_VAR
