@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,21 +111,62 @@ def start_interpreters(n: int, code: str) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+TORCHRUN_WORKER = """import os, sys, time
+with open(os.path.join(sys.argv[1], "started-" + os.environ["RANK"]), "w") as f:
+    f.write(repr(time.time()))
+"""
+
+
+def start_torchrun(n: int) -> float:
+    """torchrun (torch.distributed.run, standalone) launching `n` workers whose script
+    only notes the time of its first line: launch to the last worker's first line."""
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "worker.py"
+        script.write_text(TORCHRUN_WORKER)
+        t = time.time()
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                str(script),
+                d,
+            ],
+            env=env(),
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        last = max(float((Path(d) / f"started-{r}").read_text()) for r in range(n))
+    return (last - t) * 1e3
+
+
 def startup(n: int, reps: int) -> dict[str, dict]:
     """Spawn to ready of `n` Python ranks and of `n` Rust ranks, beside `n` bare
-    interpreters running `pass` and `import rankexec`, interleaved rep by rep so that
+    interpreters running `pass` and `import rankexec` and torchrun launching `n`
+    workers, interleaved rep by rep so that
     the machine's load affects them alike."""
-    runs: dict[str, list[float]] = {"python": [], "rust": [], "pass": [], "import": []}
+    runs: dict[str, list[float]] = {
+        "python": [],
+        "rust": [],
+        "pass": [],
+        "import": [],
+        "torchrun": [],
+    }
     for _ in range(reps):
         runs["python"].append(start_group(n, True))
         runs["rust"].append(start_group(n, False))
         runs["pass"].append(start_interpreters(n, "pass"))
         runs["import"].append(start_interpreters(n, "import rankexec"))
+        runs["torchrun"].append(start_torchrun(n))
     names = {
         "python": f"startup python n={n}",
         "rust": f"startup rust n={n}",
         "pass": f"interpreter x{n} `pass`",
         "import": f"interpreter x{n} `import rankexec`",
+        "torchrun": f"torchrun x{n}: launch to every worker's first line",
     }
     return {
         names[k]: {"median_ms": med(v), "min_ms": min(v), "max_ms": max(v), "count": reps}
