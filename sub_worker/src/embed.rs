@@ -38,9 +38,11 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, bounded, select, unbounded};
+use crate::handoff::{self, Bell};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, bounded, unbounded};
 use rankexec_protocol::{
     Component, ComponentConfig, ComponentError, Engine, EventType, Executor, FireEventError,
     FlComponent, FlContext, Registry, Shareable, Signal,
@@ -51,12 +53,12 @@ pub type Answer = Result<(Shareable, FlContext), ComponentError>;
 
 /// Where a task's answer goes. Dropping it without [`send`](Reply::send) fails the task.
 #[derive(Debug)]
-pub struct Reply(Sender<Answer>);
+pub struct Reply(handoff::Slot<Answer>);
 
 impl Reply {
     /// Sends the answer; `false` when the runtime no longer waits for it.
     pub fn send(self, answer: Answer) -> bool {
-        self.0.send(answer).is_ok()
+        self.0.send(answer)
     }
 }
 
@@ -122,18 +124,49 @@ pub enum Request<T> {
     Task(Task<T>),
 }
 
+/// Where [`Request`]s for the caller go: a channel, and the bell that wakes the caller
+/// ([`Tasks::next`]) without spinning. Make one with [`channel`].
+pub struct Requests<T> {
+    tx: Sender<Request<T>>,
+    bell: Arc<Bell>,
+}
+
+impl<T> Clone for Requests<T> {
+    fn clone(&self) -> Self {
+        Requests {
+            tx: self.tx.clone(),
+            bell: self.bell.clone(),
+        }
+    }
+}
+
+impl<T> Requests<T> {
+    /// Queues `request` and wakes the caller; the request back when the caller is gone.
+    pub fn send(&self, request: Request<T>) -> Result<(), Request<T>> {
+        self.tx.send(request).map_err(|e| e.into_inner())?;
+        self.bell.ring();
+        Ok(())
+    }
+}
+
+/// The caller's end of [`channel`]; give it to [`start`].
+pub struct Inbox<T> {
+    rx: Receiver<Request<T>>,
+    bell: Arc<Bell>,
+}
+
 /// An executor (and event handler) that hands every task and event to whoever reads
 /// the [`Tasks`] channel, and waits for the answer. [`build_on_caller`] makes them.
 pub struct Bridge<T> {
     payload: T,
-    tx: Sender<Request<T>>,
+    tx: Requests<T>,
     handles_events: bool,
 }
 
 impl<T> Bridge<T> {
     /// A bridge sending its requests into `tx` with `payload`; events are acknowledged
     /// without asking the caller unless `handles_events`.
-    pub fn new(payload: T, tx: Sender<Request<T>>, handles_events: bool) -> Self {
+    pub fn new(payload: T, tx: Requests<T>, handles_events: bool) -> Self {
         Bridge {
             payload,
             tx,
@@ -190,10 +223,12 @@ impl<T: Clone + Send + Sync + 'static> FlComponent for Bridge<T> {
                 .and_then(|b| b.downcast_ref::<Sender<Request<T>>>().cloned())
         });
         let sent = match local {
-            Some(local) => local.send(request),
-            None => self.tx.send(request),
+            Some(local) => local.send(request).is_ok(),
+            None => self.tx.send(request).is_ok(),
         };
-        sent.map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
+        if !sent {
+            return Err(ComponentError::failed("the rank's task loop has stopped"));
+        }
         // No deadline of its own: the caller answers once its running task (if any)
         // ends; the executor's event deadline bounds a caller that never does.
         match rx.recv() {
@@ -217,7 +252,8 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
         ctx: &mut FlContext,
         abort: &Signal,
     ) -> Result<Shareable, ComponentError> {
-        let (tx, rx) = bounded(1);
+        // Parks at once while the caller runs the task (no spinning: see `handoff`).
+        let (tx, rx) = handoff::oneshot();
         self.tx
             .send(Request::Task(Task {
                 payload: self.payload.clone(),
@@ -228,13 +264,13 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
                 reply: Reply(tx),
             }))
             .map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
-        match rx.recv() {
-            Ok(Ok((out, back))) => {
+        match rx.wait() {
+            Some(Ok((out, back))) => {
                 *ctx = back;
                 Ok(out)
             }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(ComponentError::failed(
+            Some(Err(e)) => Err(e),
+            None => Err(ComponentError::failed(
                 "the task was dropped without a reply",
             )),
         }
@@ -245,7 +281,7 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
 /// the runtime's thread) and waits for it: the caller's [`Tasks::next`] returns the
 /// [`Build`]. The component is a [`Bridge`] to what the caller built.
 pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
-    tx: &Sender<Request<T>>,
+    tx: &Requests<T>,
     config: &ComponentConfig,
 ) -> Result<Component, ComponentError> {
     let (reply, rx) = bounded(1);
@@ -270,6 +306,8 @@ pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
 /// The caller's end: requests to serve, and the runtime's exit code when it stops.
 pub struct Tasks<T> {
     rx: Receiver<Request<T>>,
+    /// Rung after every request and when the runtime stops.
+    bell: Arc<Bell>,
     done: Receiver<u8>,
     code: Option<u8>,
 }
@@ -287,23 +325,28 @@ pub enum Next<T> {
 }
 
 impl<T> Tasks<T> {
-    /// Waits up to `timeout` for the next request or for the runtime to stop.
+    /// Waits up to `timeout` for the next request or for the runtime to stop. Requests
+    /// come first: the runtime stops only after its last request was answered.
     pub fn next(&mut self, timeout: Duration) -> Next<T> {
-        if let Some(code) = self.code {
-            return Next::Stopped(code);
-        }
-        select! {
-            recv(self.rx) -> t => match t {
-                Ok(t) => Next::Request(t),
-                // Every bridge is gone: only the runtime's end can follow.
-                Err(_) => match self.done.recv_timeout(timeout) {
-                    Ok(code) => self.stopped(code),
-                    Err(RecvTimeoutError::Timeout) => Next::Idle,
-                    Err(RecvTimeoutError::Disconnected) => self.stopped(crate::EXIT_INTERNAL),
-                },
-            },
-            recv(self.done) -> c => self.stopped(c.unwrap_or(crate::EXIT_INTERNAL)),
-            default(timeout) => Next::Idle,
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(code) = self.code {
+                return Next::Stopped(code);
+            }
+            // Every bridge gone (Disconnected): only the runtime's end can follow.
+            if let Ok(t) = self.rx.try_recv() {
+                return Next::Request(t);
+            }
+            match self.done.try_recv() {
+                Ok(code) => return self.stopped(code),
+                Err(TryRecvError::Disconnected) => return self.stopped(crate::EXIT_INTERNAL),
+                Err(TryRecvError::Empty) => {}
+            }
+            // Senders ring after they queue, so a request queued since the look above
+            // has rung already and this returns at once.
+            if !self.bell.wait_until(deadline) {
+                return Next::Idle;
+            }
         }
     }
 
@@ -318,27 +361,35 @@ impl<T> Tasks<T> {
     }
 }
 
-/// A channel for [`Bridge`]s: give the sender to the registry's factories, the receiver
+/// A channel for [`Bridge`]s: give the sender to the registry's factories, the inbox
 /// to [`start`].
-pub fn channel<T>() -> (Sender<Request<T>>, Receiver<Request<T>>) {
-    unbounded()
+pub fn channel<T>() -> (Requests<T>, Inbox<T>) {
+    let (tx, rx) = unbounded();
+    let bell = Arc::new(Bell::default());
+    (
+        Requests {
+            tx,
+            bell: bell.clone(),
+        },
+        Inbox { rx, bell },
+    )
 }
 
 /// Starts the rank runtime with `registry` on a background thread (`rx-runtime`);
-/// requests sent into the channel of `rx` come out of the returned [`Tasks`].
-pub fn start<T: Send + 'static>(
-    registry: Registry,
-    rx: Receiver<Request<T>>,
-) -> std::io::Result<Tasks<T>> {
+/// requests sent into the channel of `inbox` come out of the returned [`Tasks`].
+pub fn start<T: Send + 'static>(registry: Registry, inbox: Inbox<T>) -> std::io::Result<Tasks<T>> {
     let (done_tx, done) = bounded(1);
+    let bell = inbox.bell.clone();
     std::thread::Builder::new()
         .name("rx-runtime".into())
         .spawn(move || {
             let code = exit_code_of(crate::run(registry));
             let _ = done_tx.send(code);
+            bell.ring();
         })?;
     Ok(Tasks {
-        rx,
+        rx: inbox.rx,
+        bell: inbox.bell,
         done,
         code: None,
     })
@@ -377,11 +428,36 @@ mod tests {
     }
 
     #[test]
+    fn the_runtimes_end_wakes_the_waiting_caller() {
+        let (_tx, inbox) = channel::<()>();
+        let (done_tx, done) = bounded(1);
+        let bell = inbox.bell.clone();
+        let mut tasks = Tasks {
+            rx: inbox.rx,
+            bell: inbox.bell,
+            done,
+            code: None,
+        };
+        assert!(matches!(tasks.next(Duration::from_millis(10)), Next::Idle));
+        let runtime = std::thread::spawn(move || {
+            done_tx.send(7).unwrap();
+            bell.ring();
+        });
+        // Long enough that only the bell can end the wait within the test's run.
+        assert!(matches!(
+            tasks.next(Duration::from_secs(600)),
+            Next::Stopped(7)
+        ));
+        runtime.join().unwrap();
+        assert_eq!(tasks.exit_code(), Some(7));
+    }
+
+    #[test]
     fn bridge_hands_the_task_over_and_returns_the_answer() {
         let (tx, rx) = channel::<u32>();
         let bridge = Bridge::new(7u32, tx, false);
         let caller = std::thread::spawn(move || {
-            let t = task_of(rx.recv().unwrap());
+            let t = task_of(rx.rx.recv().unwrap());
             assert_eq!((t.payload, t.task.as_str()), (7, "train"));
             let mut ctx = t.ctx.clone();
             ctx.set_prop("seen", true, rankexec_protocol::PropFlags::PUBLIC)
@@ -406,7 +482,7 @@ mod tests {
     fn a_task_dropped_without_reply_fails_the_task() {
         let (tx, rx) = channel::<()>();
         let bridge = Bridge::new((), tx, false);
-        let caller = std::thread::spawn(move || drop(rx.recv().unwrap()));
+        let caller = std::thread::spawn(move || drop(rx.rx.recv().unwrap()));
         let err = bridge
             .execute("t", Shareable::new(), &mut FlContext::new(), &Signal::new())
             .unwrap_err();
@@ -419,7 +495,8 @@ mod tests {
         let (tx, rx) = channel::<u32>();
         let (_running, done) = bounded(1);
         let mut tasks = Tasks {
-            rx,
+            rx: rx.rx,
+            bell: rx.bell,
             done,
             code: None,
         };
@@ -493,7 +570,7 @@ mod tests {
         let engine = Local(Component::Handler(std::sync::Arc::new(Bridge::new(
             1u8, tx, true,
         ))));
-        let (local_tx, local_rx) = channel::<u8>();
+        let (local_tx, local_rx) = unbounded::<Request<u8>>();
         let firing = std::thread::spawn(move || {
             fire_local(
                 &engine,
@@ -508,7 +585,7 @@ mod tests {
         }
         firing.join().unwrap().unwrap();
         assert!(
-            rx.try_recv().is_err(),
+            rx.rx.try_recv().is_err(),
             "nothing reached the caller's channel"
         );
     }
@@ -520,6 +597,6 @@ mod tests {
         bridge
             .handle_event(&EventType::START_RUN, &mut FlContext::new())
             .unwrap();
-        assert!(rx.try_recv().is_err());
+        assert!(rx.rx.try_recv().is_err());
     }
 }

@@ -108,7 +108,7 @@ fn check_python(cfg: &ComponentConfig) -> Result<(), ComponentError> {
 
 /// The registry of `python -m rankexec.worker`: every path is a Python component, built
 /// by the thread in `receive`.
-fn component_registry(tx: crossbeam_channel::Sender<Request<Payload>>) -> Registry {
+fn component_registry(tx: embed::Requests<Payload>) -> Registry {
     let mut r = Registry::new();
     r.fallback(move |cfg| embed::build_on_caller(&tx, cfg), check_python);
     r
@@ -116,7 +116,7 @@ fn component_registry(tx: crossbeam_channel::Sender<Request<Payload>>) -> Regist
 
 /// The registry of a script: every component hands its tasks (and, with an `on_event`,
 /// its events) to `receive()`.
-fn script_registry(tx: crossbeam_channel::Sender<Request<Payload>>, on_event: bool) -> Registry {
+fn script_registry(tx: embed::Requests<Payload>, on_event: bool) -> Registry {
     let mut r = Registry::new();
     r.fallback(
         move |_cfg| {

@@ -215,7 +215,7 @@ impl Context {
             .ok_or_else(|| EventFailed::new_err("this context has no engine"))?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         // This rank's own components handle the event on this thread (see below).
-        let (local_tx, local_rx) = embed::channel::<Payload>();
+        let (local_tx, local_rx) = crossbeam_channel::unbounded::<Request<Payload>>();
         let ev = EventType::new(event);
         std::thread::Builder::new()
             .name("rx-py-event".into())
