@@ -38,10 +38,12 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::handoff::{self, Bell};
+use crate::rank::{ExecPort, Finish, PortStep};
 use crossbeam_channel::{Receiver, Sender, TryRecvError, bounded, unbounded};
 use rankexec_protocol::{
     Component, ComponentConfig, ComponentError, Engine, EventType, Executor, FireEventError,
@@ -53,12 +55,26 @@ pub type Answer = Result<(Shareable, FlContext), ComponentError>;
 
 /// Where a task's answer goes. Dropping it without [`send`](Reply::send) fails the task.
 #[derive(Debug)]
-pub struct Reply(handoff::Slot<Answer>);
+pub struct Reply(ReplyTo);
+
+#[derive(Debug)]
+enum ReplyTo {
+    /// To the runtime's thread, waiting in [`Bridge::execute`].
+    Bridge(handoff::Slot<Answer>),
+    /// Straight to the parent, from this thread (the caller serves the exec channel).
+    Parent(Finish),
+}
 
 impl Reply {
     /// Sends the answer; `false` when the runtime no longer waits for it.
     pub fn send(self, answer: Answer) -> bool {
-        self.0.send(answer)
+        match self.0 {
+            ReplyTo::Bridge(slot) => slot.send(answer),
+            ReplyTo::Parent(finish) => {
+                finish.send(answer);
+                true
+            }
+        }
     }
 }
 
@@ -129,6 +145,9 @@ pub enum Request<T> {
 pub struct Requests<T> {
     tx: Sender<Request<T>>,
     bell: Arc<Bell>,
+    /// The payload of every component built, by id: the caller that serves the exec
+    /// channel itself gives each task the executor's.
+    payloads: Arc<Mutex<HashMap<String, T>>>,
 }
 
 impl<T> Clone for Requests<T> {
@@ -136,11 +155,26 @@ impl<T> Clone for Requests<T> {
         Requests {
             tx: self.tx.clone(),
             bell: self.bell.clone(),
+            payloads: self.payloads.clone(),
         }
     }
 }
 
 impl<T> Requests<T> {
+    /// A bridge for the component `id`, sending its requests here with `payload` (see
+    /// [`Bridge::new`]). Its tasks carry `payload` also when the caller serves the exec
+    /// channel itself.
+    pub fn bridge(&self, id: &str, payload: T, handles_events: bool) -> Bridge<T>
+    where
+        T: Clone,
+    {
+        self.payloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id.to_owned(), payload.clone());
+        Bridge::new(payload, self.clone(), handles_events)
+    }
+
     /// Queues `request` and wakes the caller; the request back when the caller is gone.
     pub fn send(&self, request: Request<T>) -> Result<(), Request<T>> {
         self.tx.send(request).map_err(|e| e.into_inner())?;
@@ -153,6 +187,7 @@ impl<T> Requests<T> {
 pub struct Inbox<T> {
     rx: Receiver<Request<T>>,
     bell: Arc<Bell>,
+    payloads: Arc<Mutex<HashMap<String, T>>>,
 }
 
 /// An executor (and event handler) that hands every task and event to whoever reads
@@ -261,7 +296,7 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
                 input,
                 ctx: ctx.clone(),
                 abort: abort.clone(),
-                reply: Reply(tx),
+                reply: Reply(ReplyTo::Bridge(tx)),
             }))
             .map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
         match rx.wait() {
@@ -295,7 +330,7 @@ pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
     let built = rx
         .recv()
         .map_err(|_| ComponentError::failed("the build was dropped without an answer"))??;
-    let bridge = Bridge::new(built.payload, tx.clone(), built.handles_events);
+    let bridge = tx.bridge(&config.id, built.payload, built.handles_events);
     Ok(if built.executor {
         Component::Executor(std::sync::Arc::new(bridge))
     } else {
@@ -306,10 +341,15 @@ pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
 /// The caller's end: requests to serve, and the runtime's exit code when it stops.
 pub struct Tasks<T> {
     rx: Receiver<Request<T>>,
-    /// Rung after every request and when the runtime stops.
+    /// Rung after every request, the exec port's arrival, and when the runtime stops.
     bell: Arc<Bell>,
     done: Receiver<u8>,
     code: Option<u8>,
+    /// The exec channel and the executor's payload, once the rank is ready.
+    ports: Receiver<(ExecPort, T)>,
+    port: Option<(ExecPort, T)>,
+    /// The rank's process: a process forked from it is not the rank.
+    pid: u32,
 }
 
 /// What [`Tasks::next`] saw.
@@ -324,11 +364,17 @@ pub enum Next<T> {
     Idle,
 }
 
-impl<T> Tasks<T> {
+impl<T: Clone> Tasks<T> {
     /// Waits up to `timeout` for the next request or for the runtime to stop. Requests
-    /// come first: the runtime stops only after its last request was answered.
+    /// come first: the runtime stops only after its last request was answered. In a
+    /// process forked from the rank (a task's `fork()` whose child carries on in the
+    /// caller's loop) it answers [`EXIT_INTERNAL`](crate::EXIT_INTERNAL) at once: the
+    /// child must not take the rank's requests or tasks.
     pub fn next(&mut self, timeout: Duration) -> Next<T> {
         let deadline = Instant::now() + timeout;
+        if self.code.is_none() && self.pid != std::process::id() {
+            self.code = Some(crate::EXIT_INTERNAL);
+        }
         loop {
             if let Some(code) = self.code {
                 return Next::Stopped(code);
@@ -337,15 +383,45 @@ impl<T> Tasks<T> {
             if let Ok(t) = self.rx.try_recv() {
                 return Next::Request(t);
             }
+            if let Ok(port) = self.ports.try_recv() {
+                self.port = Some(port);
+            }
             match self.done.try_recv() {
                 Ok(code) => return self.stopped(code),
                 Err(TryRecvError::Disconnected) => return self.stopped(crate::EXIT_INTERNAL),
                 Err(TryRecvError::Empty) => {}
             }
             // Senders ring after they queue, so a request queued since the look above
-            // has rung already and this returns at once.
-            if !self.bell.wait_until(deadline) {
+            // has rung already and these waits return at once.
+            let Some((port, payload)) = self.port.as_mut().filter(|(p, _)| p.is_open()) else {
+                if !self.bell.wait_until(deadline) {
+                    return Next::Idle;
+                }
+                continue;
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return Next::Idle;
+            }
+            // An error (none is expected) reads as "nothing yet": the deadline holds.
+            let [_, exec] =
+                crate::os::wait_readable([self.bell.fd(), port.fd()], left).unwrap_or_default();
+            self.bell.take();
+            if exec {
+                match port.step() {
+                    PortStep::Task(t) => {
+                        return Next::Request(Request::Task(Task {
+                            payload: payload.clone(),
+                            task: t.task,
+                            input: t.input,
+                            ctx: t.ctx,
+                            abort: t.abort,
+                            reply: Reply(ReplyTo::Parent(t.finish)),
+                        }));
+                    }
+                    // The runtime stops next and rings.
+                    PortStep::Closed | PortStep::Nothing => {}
+                }
             }
         }
     }
@@ -363,27 +439,55 @@ impl<T> Tasks<T> {
 
 /// A channel for [`Bridge`]s: give the sender to the registry's factories, the inbox
 /// to [`start`].
-pub fn channel<T>() -> (Requests<T>, Inbox<T>) {
+pub fn channel<T>() -> std::io::Result<(Requests<T>, Inbox<T>)> {
     let (tx, rx) = unbounded();
-    let bell = Arc::new(Bell::default());
-    (
+    let bell = Arc::new(Bell::new()?);
+    let payloads = Arc::new(Mutex::new(HashMap::new()));
+    Ok((
         Requests {
             tx,
             bell: bell.clone(),
+            payloads: payloads.clone(),
         },
-        Inbox { rx, bell },
-    )
+        Inbox { rx, bell, payloads },
+    ))
 }
 
 /// Starts the rank runtime with `registry` on a background thread (`rx-runtime`);
-/// requests sent into the channel of `inbox` come out of the returned [`Tasks`].
-pub fn start<T: Send + 'static>(registry: Registry, inbox: Inbox<T>) -> std::io::Result<Tasks<T>> {
+/// requests sent into the channel of `inbox` come out of the returned [`Tasks`]. Once
+/// the rank is ready, the caller serves the exec channel itself (in [`Tasks::next`]),
+/// when its executor was made by [`build_on_caller`] or [`Requests::bridge`]: each
+/// task then reaches the caller, and its answer the parent, without a thread hop.
+pub fn start<T: Clone + Send + 'static>(
+    registry: Registry,
+    inbox: Inbox<T>,
+) -> std::io::Result<Tasks<T>> {
     let (done_tx, done) = bounded(1);
+    let (ports_tx, ports) = bounded(1);
     let bell = inbox.bell.clone();
+    let hook: crate::rank::ExecHook = Box::new({
+        let bell = inbox.bell.clone();
+        let payloads = inbox.payloads;
+        move |port: ExecPort| {
+            let payload = payloads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(port.executor_id())
+                .cloned();
+            let Some(payload) = payload else {
+                return Err(port);
+            };
+            ports_tx
+                .send((port, payload))
+                .map_err(|e| e.into_inner().0)?;
+            bell.ring();
+            Ok(())
+        }
+    });
     std::thread::Builder::new()
         .name("rx-runtime".into())
         .spawn(move || {
-            let code = exit_code_of(crate::run(registry));
+            let code = exit_code_of(crate::rank::run_with(registry, Some(hook)));
             let _ = done_tx.send(code);
             bell.ring();
         })?;
@@ -392,6 +496,9 @@ pub fn start<T: Send + 'static>(registry: Registry, inbox: Inbox<T>) -> std::io:
         bell: inbox.bell,
         done,
         code: None,
+        ports,
+        port: None,
+        pid: std::process::id(),
     })
 }
 
@@ -429,7 +536,7 @@ mod tests {
 
     #[test]
     fn the_runtimes_end_wakes_the_waiting_caller() {
-        let (_tx, inbox) = channel::<()>();
+        let (_tx, inbox) = channel::<()>().unwrap();
         let (done_tx, done) = bounded(1);
         let bell = inbox.bell.clone();
         let mut tasks = Tasks {
@@ -437,6 +544,9 @@ mod tests {
             bell: inbox.bell,
             done,
             code: None,
+            ports: bounded(1).1,
+            port: None,
+            pid: std::process::id(),
         };
         assert!(matches!(tasks.next(Duration::from_millis(10)), Next::Idle));
         let runtime = std::thread::spawn(move || {
@@ -454,7 +564,7 @@ mod tests {
 
     #[test]
     fn bridge_hands_the_task_over_and_returns_the_answer() {
-        let (tx, rx) = channel::<u32>();
+        let (tx, rx) = channel::<u32>().unwrap();
         let bridge = Bridge::new(7u32, tx, false);
         let caller = std::thread::spawn(move || {
             let t = task_of(rx.rx.recv().unwrap());
@@ -480,7 +590,7 @@ mod tests {
 
     #[test]
     fn a_task_dropped_without_reply_fails_the_task() {
-        let (tx, rx) = channel::<()>();
+        let (tx, rx) = channel::<()>().unwrap();
         let bridge = Bridge::new((), tx, false);
         let caller = std::thread::spawn(move || drop(rx.rx.recv().unwrap()));
         let err = bridge
@@ -492,13 +602,16 @@ mod tests {
 
     #[test]
     fn components_are_built_and_handle_events_on_the_callers_thread() {
-        let (tx, rx) = channel::<u32>();
+        let (tx, rx) = channel::<u32>().unwrap();
         let (_running, done) = bounded(1);
         let mut tasks = Tasks {
             rx: rx.rx,
             bell: rx.bell,
             done,
             code: None,
+            ports: bounded(1).1,
+            port: None,
+            pid: std::process::id(),
         };
         let caller = std::thread::current().id();
         let runtime = std::thread::spawn(move || {
@@ -566,7 +679,7 @@ mod tests {
 
     #[test]
     fn events_fired_by_the_caller_go_to_its_local_channel() {
-        let (tx, rx) = channel::<u8>();
+        let (tx, rx) = channel::<u8>().unwrap();
         let engine = Local(Component::Handler(std::sync::Arc::new(Bridge::new(
             1u8, tx, true,
         ))));
@@ -592,7 +705,7 @@ mod tests {
 
     #[test]
     fn a_bridge_without_handler_answers_events_itself() {
-        let (tx, rx) = channel::<()>();
+        let (tx, rx) = channel::<()>().unwrap();
         let bridge = Bridge::new((), tx, false);
         bridge
             .handle_event(&EventType::START_RUN, &mut FlContext::new())

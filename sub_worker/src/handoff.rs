@@ -16,41 +16,70 @@
 //! - A [`Slot`] dropped without [`Slot::send`] answers `None`, so a waiter never waits
 //!   for an answer nobody can give.
 
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
 /// A doorbell: senders [`ring`](Bell::ring) it after they put something where the
 /// waiter looks; [`wait_until`](Bell::wait_until) returns once it rang since the last
-/// wait (at once if it already had), or at the deadline.
-#[derive(Default)]
+/// wait (at once if it already had), or at the deadline. It is a socket pair, so a
+/// waiter can wait for it and for another descriptor at once ([`Bell::fd`]).
 pub struct Bell {
-    rung: Mutex<bool>,
-    ready: Condvar,
+    rx: UnixStream,
+    tx: UnixStream,
 }
 
 impl Bell {
+    /// A bell that has not rung.
+    pub fn new() -> std::io::Result<Bell> {
+        let (rx, tx) = UnixStream::pair()?;
+        rx.set_nonblocking(true)?;
+        tx.set_nonblocking(true)?;
+        Ok(Bell { rx, tx })
+    }
+
     /// Wakes the waiter, or the next wait.
     pub fn ring(&self) {
-        *self.rung.lock().unwrap_or_else(PoisonError::into_inner) = true;
-        self.ready.notify_one();
+        // Full (WouldBlock): it has rung already and nobody has looked yet.
+        let _ = (&self.tx).write(&[1]);
     }
 
     /// Waits until the bell rang or `deadline` passed; `true` when it rang.
     pub fn wait_until(&self, deadline: Instant) -> bool {
-        let mut rung = self.rung.lock().unwrap_or_else(PoisonError::into_inner);
-        while !*rung {
+        loop {
+            if self.take() {
+                return true;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            rung = self
-                .ready
-                .wait_timeout(rung, left)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            // An error (none is expected on a socket pair) reads as a ring: the caller
+            // looks again, and its own deadline still holds.
+            if crate::os::wait_readable([self.rx.as_fd()], left).is_err() {
+                return true;
+            }
         }
-        *rung = false;
-        true
+    }
+
+    /// The descriptor that turns readable when the bell rang.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.rx.as_fd()
+    }
+
+    /// Whether the bell rang since the last look (and forgets it).
+    pub fn take(&self) -> bool {
+        let mut buf = [0u8; 64];
+        let mut rang = false;
+        while let Ok(n) = (&self.rx).read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            rang = true;
+        }
+        rang
     }
 }
 
@@ -155,7 +184,7 @@ mod tests {
     #[test]
     fn a_bell_wakes_its_waiter_and_a_silent_one_times_out() {
         use std::time::Duration;
-        let bell = Arc::new(Bell::default());
+        let bell = Arc::new(Bell::new().unwrap());
         assert!(!bell.wait_until(Instant::now() + Duration::from_millis(10)));
         let ringer = std::thread::spawn({
             let bell = bell.clone();

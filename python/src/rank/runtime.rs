@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use rankexec_protocol::{ComponentConfig, ComponentError, FlContext, Registry};
-use rankexec_sub_worker::embed::{self, Bridge, Built, Next, Request, Tasks};
+use rankexec_sub_worker::embed::{self, Built, Next, Request, Tasks};
 use rankexec_sub_worker::rank_info;
 
 use super::convert::{error_from_exception, error_without_traceback};
@@ -119,9 +119,9 @@ fn component_registry(tx: embed::Requests<Payload>) -> Registry {
 fn script_registry(tx: embed::Requests<Payload>, on_event: bool) -> Registry {
     let mut r = Registry::new();
     r.fallback(
-        move |_cfg| {
+        move |cfg| {
             Ok(rankexec_protocol::Component::Executor(Arc::new(
-                Bridge::new(None, tx.clone(), on_event),
+                tx.bridge(&cfg.id, None, on_event),
             )))
         },
         |_cfg| Ok(()),
@@ -227,7 +227,7 @@ pub fn start(mode: &str, on_event: Option<Py<PyAny>>) -> PyResult<Rank> {
             "this process already serves as a rank",
         ));
     }
-    let (tx, rx) = embed::channel::<Payload>();
+    let (tx, rx) = embed::channel::<Payload>()?;
     let registry = if mode == "components" {
         component_registry(tx)
     } else {
@@ -248,6 +248,8 @@ pub fn start(mode: &str, on_event: Option<Py<PyAny>>) -> PyResult<Rank> {
 #[pyfunction]
 pub fn worker_cli(args: Vec<String>) -> u8 {
     // Checks import modules with the GIL held on this thread (attach is re-entrant).
-    let (tx, _rx) = embed::channel::<Payload>();
-    embed::cli(component_registry(tx), args)
+    match embed::channel::<Payload>() {
+        Ok((tx, _rx)) => embed::cli(component_registry(tx), args),
+        Err(_) => rankexec_sub_worker::EXIT_INTERNAL,
+    }
 }

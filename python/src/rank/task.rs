@@ -446,7 +446,9 @@ impl Task {
             }
         };
         let ctx = self.ctx.bind(py).get().snapshot();
-        self.take_reply()?.send(Ok((out, ctx)));
+        let reply = self.take_reply()?;
+        // Packing and sending the result need no Python (and may wait for the socket).
+        py.detach(move || reply.send(Ok((out, ctx))));
         Ok(())
     }
 

@@ -11,6 +11,8 @@
 //!   while others run.
 //! - `ignore_sigterm`: used only by the built-in `Sleep` component to play a rank that
 //!   refuses to stop, so tests can prove the executor escalates to `SIGKILL`.
+//! - `wait_readable`: `poll(2)` on a few descriptors, for a foreign rank's caller that
+//!   waits for its exec channel and its doorbell at once.
 
 use nix::sys::signal::{SigHandler, Signal};
 use nix::unistd::{Pid, getpgrp, getpid, getppid};
@@ -91,4 +93,25 @@ pub(crate) fn mapped_inode(addr: usize) -> Option<u64> {
         let inode: u64 = f.nth(3)?.parse().ok()?;
         (inode != 0).then_some(inode)
     })
+}
+
+/// Waits until one of `fds` is readable (or hung up) or `timeout` passes; which are.
+/// An interrupted wait (a signal) answers "none", so the caller can check its signals.
+pub(crate) fn wait_readable<const N: usize>(
+    fds: [std::os::fd::BorrowedFd<'_>; N],
+    timeout: std::time::Duration,
+) -> std::io::Result<[bool; N]> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut polled = fds.map(|fd| PollFd::new(fd, PollFlags::POLLIN));
+    // Rounded up, so a wait shorter than a millisecond still waits.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    match poll(
+        &mut polled,
+        PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+    ) {
+        Ok(_) => {}
+        Err(nix::errno::Errno::EINTR) => return Ok([false; N]),
+        Err(e) => return Err(e.into()),
+    }
+    Ok(polled.map(|p| !p.revents().unwrap_or(PollFlags::empty()).is_empty()))
 }
