@@ -3,7 +3,10 @@
 //! whose `receive` serves the runtime's requests on Python's main thread.
 //!
 //! The Rust runtime runs on its own threads (`embed`): links, handshake, aborts,
-//! heartbeats and memory files never need the GIL. Every piece of Python code runs on
+//! heartbeats and memory files never need the GIL. Once the rank is ready, `receive`
+//! waits for the next task on the exec socket itself (without the GIL, checking for
+//! signals between slices) and `Task.reply` sends the result from this thread, so a
+//! task wakes no other thread of the rank. Every piece of Python code runs on
 //! the thread that calls `receive` (Python's main thread, where `KeyboardInterrupt` and
 //! signal handlers are delivered): components are built there (inside the first
 //! `receive`), their `handle_event` (and the script style's `on_event`) runs there, and
@@ -151,9 +154,9 @@ fn to_task(py: Python<'_>, t: embed::Task<Payload>) -> PyResult<Task> {
 
 #[pymethods]
 impl Rank {
-    /// Waits for the next task; None once the host closed the group. Builds the
-    /// components and runs event handlers on this thread meanwhile. Ctrl-C raises
-    /// `KeyboardInterrupt`.
+    /// Waits for the next task; None once the host closed the group (and at once in a
+    /// process forked from the rank). Builds the components and runs event handlers on
+    /// this thread meanwhile. Ctrl-C raises `KeyboardInterrupt`.
     fn receive(&self, py: Python<'_>) -> PyResult<Option<Task>> {
         loop {
             let next = wait_sliced(py, None, |slice| {

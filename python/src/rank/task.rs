@@ -457,7 +457,9 @@ impl Task {
     /// `OutOfMemoryError` as out of memory.
     fn fail(&self, py: Python<'_>, error: Bound<'_, PyAny>) -> PyResult<()> {
         let err = PyErr::from_value(error);
-        self.take_reply()?.send(Err(error_from_exception(py, &err)));
+        let reply = self.take_reply()?;
+        let failed = error_from_exception(py, &err);
+        py.detach(move || reply.send(Err(failed)));
         Ok(())
     }
 }
