@@ -419,9 +419,11 @@ impl<T: Clone> Tasks<T> {
                 return Next::Idle;
             }
             // An error (none is expected) reads as "nothing yet": the deadline holds.
-            let [_, exec] =
+            let [rang, exec] =
                 crate::os::wait_readable([self.bell.fd(), port.fd()], left).unwrap_or_default();
-            self.bell.take();
+            if rang {
+                self.bell.take();
+            }
             if exec {
                 match port.step() {
                     PortStep::Task(t) => {

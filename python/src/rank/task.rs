@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyString, PyType};
 use rankexec_protocol::{Blob as RBlob, EventType, FlContext, PropFlags, Shareable, Signal};
 use rankexec_sub_worker::embed::{self, Reply, Request};
 
@@ -472,6 +473,8 @@ pub(crate) fn input_to_py(py: Python<'_>, input: Shareable) -> PyResult<Py<PyAny
     for (k, v) in blobs {
         b.set_item(k, Py::new(py, Blob { inner: v })?)?;
     }
-    let cls = py.import("rankexec._shareable")?.getattr("Shareable")?;
+    // Looked up once: an import per task is a dictionary walk per task.
+    static SHAREABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let cls = SHAREABLE.import(py, "rankexec._shareable", "Shareable")?;
     Ok(cls.call1((m, b))?.unbind())
 }
