@@ -25,6 +25,8 @@
 //!   every event) up; the executor's start-up deadline ends it.
 //! - Events a task fires itself (`Context.fire_event`) reach this rank's components on
 //!   the thread that fired them, before they go to the host.
+//! - `receive` checks for signals between slices of its wait, not while it reads a
+//!   task's frame: over TCP, a large input that streams in delays Ctrl-C until it is in.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};

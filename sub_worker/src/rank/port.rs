@@ -20,6 +20,8 @@
 //!   events and liveness never wait for the caller.
 //! - In a process forked from the rank (a `DataLoader` worker), the port and every
 //!   [`Finish`] do nothing: the child must not read or answer the parent's tasks.
+//! - A frame's read is not interrupted by signals: over TCP, where a large input
+//!   streams through the frame, the caller checks for Ctrl-C once the input is in.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
@@ -173,6 +175,8 @@ impl Finish {
         if std::mem::replace(&mut self.sent, true) || self.pid != std::process::id() {
             return;
         }
+        let span = tracing::info_span!("task", task_id = self.task_id);
+        let _enter = span.enter();
         let (res, ctx) = match res {
             Ok((out, ctx)) => (Ok(out), ctx),
             Err(e) => (Err(e), FlContext::new()),
