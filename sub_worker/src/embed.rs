@@ -418,9 +418,12 @@ impl<T: Clone> Tasks<T> {
             if left.is_zero() {
                 return Next::Idle;
             }
-            // An error (none is expected) reads as "nothing yet": the deadline holds.
-            let [rang, exec] =
-                crate::os::wait_readable([self.bell.fd(), port.fd()], left).unwrap_or_default();
+            // An error (none is expected): the wait lasts its time, never a spin.
+            let Ok([rang, exec]) = crate::os::wait_readable([self.bell.fd(), port.fd()], left)
+            else {
+                std::thread::sleep(left);
+                return Next::Idle;
+            };
             if rang {
                 self.bell.take();
             }

@@ -56,10 +56,11 @@ impl Bell {
             if left.is_zero() {
                 return false;
             }
-            // An error (none is expected on a socket pair) reads as a ring: the caller
-            // looks again, and its own deadline still holds.
+            // An error (none is expected on a socket pair): the wait lasts its time
+            // rather than returning at once to a caller that would wait again.
             if crate::os::wait_readable([self.rx.as_fd()], left).is_err() {
-                return true;
+                std::thread::sleep(left);
+                return false;
             }
         }
     }

@@ -96,7 +96,8 @@ pub(crate) fn mapped_inode(addr: usize) -> Option<u64> {
 }
 
 /// Waits until one of `fds` is readable (or hung up) or `timeout` passes; which are.
-/// An interrupted wait (a signal) answers "none", so the caller can check its signals.
+/// An interrupted wait (a signal) answers "none", so the caller can check its signals;
+/// a closed descriptor is an error (`EBADF`).
 pub(crate) fn wait_readable<const N: usize>(
     fds: [std::os::fd::BorrowedFd<'_>; N],
     timeout: std::time::Duration,
@@ -113,5 +114,40 @@ pub(crate) fn wait_readable<const N: usize>(
         Err(nix::errno::Errno::EINTR) => return Ok([false; N]),
         Err(e) => return Err(e.into()),
     }
-    Ok(polled.map(|p| !p.revents().unwrap_or(PollFlags::empty()).is_empty()))
+    let revents = polled.map(|p| p.revents().unwrap_or(PollFlags::empty()));
+    // A descriptor closed under us (user code closing what it did not open): an error,
+    // so the caller does not take it for readable and poll it again at once.
+    if revents.iter().any(|r| r.contains(PollFlags::POLLNVAL)) {
+        return Err(std::io::Error::from_raw_os_error(nix::libc::EBADF));
+    }
+    Ok(revents.map(|r| !r.is_empty()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::{AsFd, BorrowedFd};
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    #[test]
+    fn wait_readable_says_which_and_times_out() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let (c, _d) = UnixStream::pair().unwrap();
+        let quiet = super::wait_readable([a.as_fd(), c.as_fd()], Duration::from_millis(5));
+        assert_eq!(quiet.unwrap(), [false, false]);
+        b.write_all(&[1]).unwrap();
+        let one = super::wait_readable([a.as_fd(), c.as_fd()], Duration::from_secs(60));
+        assert_eq!(one.unwrap(), [true, false]);
+    }
+
+    #[test]
+    fn a_closed_descriptor_is_an_error_not_readable() {
+        // SAFETY: no descriptor this high can be open (the kernel's `nr_open` ceiling is
+        // far below it), so this borrows nothing anyone owns; `poll` only reads the
+        // number and reports it invalid.
+        let closed = unsafe { BorrowedFd::borrow_raw(i32::MAX - 1) };
+        let got = super::wait_readable([closed], Duration::from_secs(60));
+        assert_eq!(got.unwrap_err().raw_os_error(), Some(nix::libc::EBADF));
+    }
 }
