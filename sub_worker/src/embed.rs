@@ -12,6 +12,14 @@
 //! - [`Event`]: a [`Bridge`]'s component handles an event;
 //! - [`Task`]: a [`Bridge`]'s component runs a task; answered through [`Task::reply`].
 //!
+//! Once the rank is ready, the caller also serves the exec channel itself
+//! ([`ExecPort`]): [`Tasks::next`] waits for the next task on the exec socket and for
+//! requests at once, and [`Reply::send`] packs and sends the result from the caller's
+//! thread. A task thus costs no wake-up of another thread, as in a Rust rank (each
+//! hand-over costs two, and on a machine with fewer cores than ranks they were most of
+//! an empty task's round trip). An executor that is not a bridge made here gets its
+//! tasks on the runtime's thread, through [`Bridge::execute`] if it is one.
+//!
 //! So state a library ties to a thread (a CUDA device, grad mode, signal handlers,
 //! thread-locals, an event loop) set while building or in an event handler holds in
 //! every task. The links, aborts and heartbeats never wait for the caller (nor for
@@ -35,12 +43,18 @@
 //! - When the parent disappears, the runtime ends the whole process at once
 //!   ([`EXIT_PARENT_GONE`](crate::EXIT_PARENT_GONE), with `_exit`: no `atexit` handler
 //!   runs), whatever the caller is doing.
+//! - A process forked from the rank is not the rank: its [`Tasks::next`] answers
+//!   [`Next::Stopped`] at once, and a task's [`Reply`] does nothing there.
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, bounded, select, unbounded};
+use crate::handoff::{self, Bell};
+use crate::rank::{ExecPort, Finish, PortStep};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, bounded, unbounded};
 use rankexec_protocol::{
     Component, ComponentConfig, ComponentError, Engine, EventType, Executor, FireEventError,
     FlComponent, FlContext, Registry, Shareable, Signal,
@@ -51,12 +65,26 @@ pub type Answer = Result<(Shareable, FlContext), ComponentError>;
 
 /// Where a task's answer goes. Dropping it without [`send`](Reply::send) fails the task.
 #[derive(Debug)]
-pub struct Reply(Sender<Answer>);
+pub struct Reply(ReplyTo);
+
+#[derive(Debug)]
+enum ReplyTo {
+    /// To the runtime's thread, waiting in [`Bridge::execute`].
+    Bridge(handoff::Slot<Answer>),
+    /// Straight to the parent, from this thread (the caller serves the exec channel).
+    Parent(Finish),
+}
 
 impl Reply {
     /// Sends the answer; `false` when the runtime no longer waits for it.
     pub fn send(self, answer: Answer) -> bool {
-        self.0.send(answer).is_ok()
+        match self.0 {
+            ReplyTo::Bridge(slot) => slot.send(answer),
+            ReplyTo::Parent(finish) => {
+                finish.send(answer);
+                true
+            }
+        }
     }
 }
 
@@ -122,18 +150,71 @@ pub enum Request<T> {
     Task(Task<T>),
 }
 
+/// Where [`Request`]s for the caller go: a channel, and the bell that wakes the caller
+/// ([`Tasks::next`]) without spinning. Make one with [`channel`].
+pub struct Requests<T> {
+    tx: Sender<Request<T>>,
+    bell: Arc<Bell>,
+    /// The payload of every component built, by id: the caller that serves the exec
+    /// channel itself gives each task the executor's.
+    payloads: Arc<Mutex<HashMap<String, T>>>,
+}
+
+impl<T> Clone for Requests<T> {
+    fn clone(&self) -> Self {
+        Requests {
+            tx: self.tx.clone(),
+            bell: self.bell.clone(),
+            payloads: self.payloads.clone(),
+        }
+    }
+}
+
+impl<T> Requests<T> {
+    /// A bridge for the component `id`, sending its requests here with `payload` (see
+    /// [`Bridge::new`]). Its tasks carry `payload` also when the caller serves the exec
+    /// channel itself.
+    pub fn bridge(&self, id: &str, payload: T, handles_events: bool) -> Bridge<T>
+    where
+        T: Clone,
+    {
+        self.payloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id.to_owned(), payload.clone());
+        Bridge::new(payload, self.clone(), handles_events)
+    }
+
+    /// Queues `request` and wakes the caller; `false` (the request dropped) when the
+    /// caller is gone.
+    pub fn send(&self, request: Request<T>) -> bool {
+        if self.tx.send(request).is_err() {
+            return false;
+        }
+        self.bell.ring();
+        true
+    }
+}
+
+/// The caller's end of [`channel`]; give it to [`start`].
+pub struct Inbox<T> {
+    rx: Receiver<Request<T>>,
+    bell: Arc<Bell>,
+    payloads: Arc<Mutex<HashMap<String, T>>>,
+}
+
 /// An executor (and event handler) that hands every task and event to whoever reads
 /// the [`Tasks`] channel, and waits for the answer. [`build_on_caller`] makes them.
 pub struct Bridge<T> {
     payload: T,
-    tx: Sender<Request<T>>,
+    tx: Requests<T>,
     handles_events: bool,
 }
 
 impl<T> Bridge<T> {
     /// A bridge sending its requests into `tx` with `payload`; events are acknowledged
     /// without asking the caller unless `handles_events`.
-    pub fn new(payload: T, tx: Sender<Request<T>>, handles_events: bool) -> Self {
+    pub fn new(payload: T, tx: Requests<T>, handles_events: bool) -> Self {
         Bridge {
             payload,
             tx,
@@ -190,10 +271,12 @@ impl<T: Clone + Send + Sync + 'static> FlComponent for Bridge<T> {
                 .and_then(|b| b.downcast_ref::<Sender<Request<T>>>().cloned())
         });
         let sent = match local {
-            Some(local) => local.send(request),
+            Some(local) => local.send(request).is_ok(),
             None => self.tx.send(request),
         };
-        sent.map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
+        if !sent {
+            return Err(ComponentError::failed("the rank's task loop has stopped"));
+        }
         // No deadline of its own: the caller answers once its running task (if any)
         // ends; the executor's event deadline bounds a caller that never does.
         match rx.recv() {
@@ -217,24 +300,26 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
         ctx: &mut FlContext,
         abort: &Signal,
     ) -> Result<Shareable, ComponentError> {
-        let (tx, rx) = bounded(1);
-        self.tx
-            .send(Request::Task(Task {
-                payload: self.payload.clone(),
-                task: task.to_owned(),
-                input,
-                ctx: ctx.clone(),
-                abort: abort.clone(),
-                reply: Reply(tx),
-            }))
-            .map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
-        match rx.recv() {
-            Ok(Ok((out, back))) => {
+        // Parks at once while the caller runs the task (no spinning: see `handoff`).
+        let (tx, rx) = handoff::oneshot();
+        let sent = self.tx.send(Request::Task(Task {
+            payload: self.payload.clone(),
+            task: task.to_owned(),
+            input,
+            ctx: ctx.clone(),
+            abort: abort.clone(),
+            reply: Reply(ReplyTo::Bridge(tx)),
+        }));
+        if !sent {
+            return Err(ComponentError::failed("the rank's task loop has stopped"));
+        }
+        match rx.wait() {
+            Some(Ok((out, back))) => {
                 *ctx = back;
                 Ok(out)
             }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(ComponentError::failed(
+            Some(Err(e)) => Err(e),
+            None => Err(ComponentError::failed(
                 "the task was dropped without a reply",
             )),
         }
@@ -245,21 +330,22 @@ impl<T: Clone + Send + Sync + 'static> Executor for Bridge<T> {
 /// the runtime's thread) and waits for it: the caller's [`Tasks::next`] returns the
 /// [`Build`]. The component is a [`Bridge`] to what the caller built.
 pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
-    tx: &Sender<Request<T>>,
+    tx: &Requests<T>,
     config: &ComponentConfig,
 ) -> Result<Component, ComponentError> {
     let (reply, rx) = bounded(1);
-    tx.send(Request::Build(Build {
+    if !tx.send(Request::Build(Build {
         config: config.clone(),
         reply,
-    }))
-    .map_err(|_| ComponentError::failed("the rank's task loop has stopped"))?;
+    })) {
+        return Err(ComponentError::failed("the rank's task loop has stopped"));
+    }
     // No deadline of its own: the executor's start-up deadline ends a rank whose caller
     // never serves its channel.
     let built = rx
         .recv()
         .map_err(|_| ComponentError::failed("the build was dropped without an answer"))??;
-    let bridge = Bridge::new(built.payload, tx.clone(), built.handles_events);
+    let bridge = tx.bridge(&config.id, built.payload, built.handles_events);
     Ok(if built.executor {
         Component::Executor(std::sync::Arc::new(bridge))
     } else {
@@ -270,8 +356,15 @@ pub fn build_on_caller<T: Clone + Send + Sync + 'static>(
 /// The caller's end: requests to serve, and the runtime's exit code when it stops.
 pub struct Tasks<T> {
     rx: Receiver<Request<T>>,
+    /// Rung after every request, the exec port's arrival, and when the runtime stops.
+    bell: Arc<Bell>,
     done: Receiver<u8>,
     code: Option<u8>,
+    /// The exec channel and the executor's payload, once the rank is ready.
+    ports: Receiver<(ExecPort, T)>,
+    port: Option<(ExecPort, T)>,
+    /// The rank's process: a process forked from it is not the rank.
+    pid: u32,
 }
 
 /// What [`Tasks::next`] saw.
@@ -286,24 +379,70 @@ pub enum Next<T> {
     Idle,
 }
 
-impl<T> Tasks<T> {
-    /// Waits up to `timeout` for the next request or for the runtime to stop.
+impl<T: Clone> Tasks<T> {
+    /// Waits up to `timeout` for the next request or for the runtime to stop. Requests
+    /// come first: the runtime stops only after its last request was answered. In a
+    /// process forked from the rank (a task's `fork()` whose child carries on in the
+    /// caller's loop) it answers [`EXIT_INTERNAL`](crate::EXIT_INTERNAL) at once: the
+    /// child must not take the rank's requests or tasks.
     pub fn next(&mut self, timeout: Duration) -> Next<T> {
-        if let Some(code) = self.code {
-            return Next::Stopped(code);
+        let deadline = Instant::now() + timeout;
+        if self.code.is_none() && self.pid != std::process::id() {
+            self.code = Some(crate::EXIT_INTERNAL);
         }
-        select! {
-            recv(self.rx) -> t => match t {
-                Ok(t) => Next::Request(t),
-                // Every bridge is gone: only the runtime's end can follow.
-                Err(_) => match self.done.recv_timeout(timeout) {
-                    Ok(code) => self.stopped(code),
-                    Err(RecvTimeoutError::Timeout) => Next::Idle,
-                    Err(RecvTimeoutError::Disconnected) => self.stopped(crate::EXIT_INTERNAL),
-                },
-            },
-            recv(self.done) -> c => self.stopped(c.unwrap_or(crate::EXIT_INTERNAL)),
-            default(timeout) => Next::Idle,
+        loop {
+            if let Some(code) = self.code {
+                return Next::Stopped(code);
+            }
+            // Every bridge gone (Disconnected): only the runtime's end can follow.
+            if let Ok(t) = self.rx.try_recv() {
+                return Next::Request(t);
+            }
+            if let Ok(port) = self.ports.try_recv() {
+                self.port = Some(port);
+            }
+            match self.done.try_recv() {
+                Ok(code) => return self.stopped(code),
+                Err(TryRecvError::Disconnected) => return self.stopped(crate::EXIT_INTERNAL),
+                Err(TryRecvError::Empty) => {}
+            }
+            // Senders ring after they queue, so a request queued since the look above
+            // has rung already and these waits return at once.
+            let Some((port, payload)) = self.port.as_mut().filter(|(p, _)| p.is_open()) else {
+                if !self.bell.wait_until(deadline) {
+                    return Next::Idle;
+                }
+                continue;
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Next::Idle;
+            }
+            // An error (none is expected): the wait lasts its time, never a spin.
+            let Ok([rang, exec]) = crate::os::wait_readable([self.bell.fd(), port.fd()], left)
+            else {
+                std::thread::sleep(left);
+                return Next::Idle;
+            };
+            if rang {
+                self.bell.take();
+            }
+            if exec {
+                match port.step() {
+                    PortStep::Task(t) => {
+                        return Next::Request(Request::Task(Task {
+                            payload: payload.clone(),
+                            task: t.task,
+                            input: t.input,
+                            ctx: t.ctx,
+                            abort: t.abort,
+                            reply: Reply(ReplyTo::Parent(t.finish)),
+                        }));
+                    }
+                    // The runtime stops next and rings.
+                    PortStep::Closed | PortStep::Nothing => {}
+                }
+            }
         }
     }
 
@@ -318,29 +457,68 @@ impl<T> Tasks<T> {
     }
 }
 
-/// A channel for [`Bridge`]s: give the sender to the registry's factories, the receiver
+/// A channel for [`Bridge`]s: give the sender to the registry's factories, the inbox
 /// to [`start`].
-pub fn channel<T>() -> (Sender<Request<T>>, Receiver<Request<T>>) {
-    unbounded()
+pub fn channel<T>() -> std::io::Result<(Requests<T>, Inbox<T>)> {
+    let (tx, rx) = unbounded();
+    let bell = Arc::new(Bell::new()?);
+    let payloads = Arc::new(Mutex::new(HashMap::new()));
+    Ok((
+        Requests {
+            tx,
+            bell: bell.clone(),
+            payloads: payloads.clone(),
+        },
+        Inbox { rx, bell, payloads },
+    ))
 }
 
 /// Starts the rank runtime with `registry` on a background thread (`rx-runtime`);
-/// requests sent into the channel of `rx` come out of the returned [`Tasks`].
-pub fn start<T: Send + 'static>(
+/// requests sent into the channel of `inbox` come out of the returned [`Tasks`]. Once
+/// the rank is ready, the caller serves the exec channel itself (in [`Tasks::next`]),
+/// when its executor was made by [`build_on_caller`] or [`Requests::bridge`]: each
+/// task then reaches the caller, and its answer the parent, without a thread hop.
+pub fn start<T: Clone + Send + 'static>(
     registry: Registry,
-    rx: Receiver<Request<T>>,
+    inbox: Inbox<T>,
 ) -> std::io::Result<Tasks<T>> {
     let (done_tx, done) = bounded(1);
+    let (ports_tx, ports) = bounded(1);
+    let bell = inbox.bell.clone();
+    let hook: crate::rank::ExecHook = Box::new({
+        let bell = inbox.bell.clone();
+        let payloads = inbox.payloads;
+        move |port: ExecPort| {
+            let payload = payloads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(port.executor_id())
+                .cloned();
+            let Some(payload) = payload else {
+                return Err(port);
+            };
+            ports_tx
+                .send((port, payload))
+                .map_err(|e| e.into_inner().0)?;
+            bell.ring();
+            Ok(())
+        }
+    });
     std::thread::Builder::new()
         .name("rx-runtime".into())
         .spawn(move || {
-            let code = exit_code_of(crate::run(registry));
+            let code = exit_code_of(crate::rank::run_with(registry, Some(hook)));
             let _ = done_tx.send(code);
+            bell.ring();
         })?;
     Ok(Tasks {
-        rx,
+        rx: inbox.rx,
+        bell: inbox.bell,
         done,
         code: None,
+        ports,
+        port: None,
+        pid: std::process::id(),
     })
 }
 
@@ -359,167 +537,5 @@ fn exit_code_of(code: std::process::ExitCode) -> u8 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exit_codes_round_trip() {
-        for c in [0u8, 1, 3, 5, 255] {
-            assert_eq!(exit_code_of(std::process::ExitCode::from(c)), c);
-        }
-    }
-
-    fn task_of<T>(r: Request<T>) -> Task<T> {
-        match r {
-            Request::Task(t) => t,
-            _ => panic!("expected a task"),
-        }
-    }
-
-    #[test]
-    fn bridge_hands_the_task_over_and_returns_the_answer() {
-        let (tx, rx) = channel::<u32>();
-        let bridge = Bridge::new(7u32, tx, false);
-        let caller = std::thread::spawn(move || {
-            let t = task_of(rx.recv().unwrap());
-            assert_eq!((t.payload, t.task.as_str()), (7, "train"));
-            let mut ctx = t.ctx.clone();
-            ctx.set_prop("seen", true, rankexec_protocol::PropFlags::PUBLIC)
-                .unwrap();
-            t.reply.send(Ok((t.input.with_meta("y", 2), ctx)));
-        });
-        let mut ctx = FlContext::new();
-        let out = bridge
-            .execute(
-                "train",
-                Shareable::new().with_meta("x", 1),
-                &mut ctx,
-                &Signal::new(),
-            )
-            .unwrap();
-        caller.join().unwrap();
-        assert_eq!(out.meta("y").and_then(|v| v.as_i64()), Some(2));
-        assert!(ctx.get_prop("seen").is_some());
-    }
-
-    #[test]
-    fn a_task_dropped_without_reply_fails_the_task() {
-        let (tx, rx) = channel::<()>();
-        let bridge = Bridge::new((), tx, false);
-        let caller = std::thread::spawn(move || drop(rx.recv().unwrap()));
-        let err = bridge
-            .execute("t", Shareable::new(), &mut FlContext::new(), &Signal::new())
-            .unwrap_err();
-        caller.join().unwrap();
-        assert_eq!(err.message(), "the task was dropped without a reply");
-    }
-
-    #[test]
-    fn components_are_built_and_handle_events_on_the_callers_thread() {
-        let (tx, rx) = channel::<u32>();
-        let (_running, done) = bounded(1);
-        let mut tasks = Tasks {
-            rx,
-            done,
-            code: None,
-        };
-        let caller = std::thread::current().id();
-        let runtime = std::thread::spawn(move || {
-            let cfg = ComponentConfig::new("c", "C", serde_json::json!({}));
-            let c = build_on_caller(&tx, &cfg).unwrap();
-            let mut ctx = FlContext::new();
-            c.handler()
-                .handle_event(&EventType::START_RUN, &mut ctx)
-                .unwrap();
-            ctx.get_prop("handled_on")
-                .and_then(|v| v.as_str().map(str::to_owned))
-        });
-        let mut served = 0;
-        while served < 2 {
-            match tasks.next(Duration::from_secs(30)) {
-                Next::Request(Request::Build(b)) => {
-                    assert_eq!(b.config.id, "c");
-                    b.reply
-                        .send(Ok(Built {
-                            payload: 9,
-                            executor: true,
-                            handles_events: true,
-                        }))
-                        .unwrap();
-                }
-                Next::Request(Request::Event(mut e)) => {
-                    assert_eq!((e.payload, e.event.as_str()), (9, "_start_run"));
-                    let on = format!("{:?}", std::thread::current().id());
-                    e.ctx
-                        .set_prop("handled_on", on, rankexec_protocol::PropFlags::PUBLIC)
-                        .unwrap();
-                    e.reply.send(Ok(e.ctx)).unwrap();
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-            served += 1;
-        }
-        assert_eq!(runtime.join().unwrap(), Some(format!("{caller:?}")));
-    }
-
-    /// An engine that delivers events to one component, as a rank's engine does.
-    struct Local(Component);
-
-    impl Engine for Local {
-        fn fire_event(&self, event: &EventType, ctx: &mut FlContext) -> Result<(), FireEventError> {
-            self.0
-                .handler()
-                .handle_event(event, ctx)
-                .map_err(|source| FireEventError::Handler {
-                    component: "c".into(),
-                    event: event.to_string(),
-                    source,
-                })
-        }
-        fn identity(&self) -> &str {
-            "local"
-        }
-        fn job_id(&self) -> &str {
-            "local"
-        }
-        fn workspace(&self) -> &std::path::Path {
-            std::path::Path::new(".")
-        }
-    }
-
-    #[test]
-    fn events_fired_by_the_caller_go_to_its_local_channel() {
-        let (tx, rx) = channel::<u8>();
-        let engine = Local(Component::Handler(std::sync::Arc::new(Bridge::new(
-            1u8, tx, true,
-        ))));
-        let (local_tx, local_rx) = channel::<u8>();
-        let firing = std::thread::spawn(move || {
-            fire_local(
-                &engine,
-                &EventType::new("mine"),
-                &mut FlContext::new(),
-                local_tx,
-            )
-        });
-        match local_rx.recv_timeout(Duration::from_secs(30)).unwrap() {
-            Request::Event(e) => e.reply.send(Ok(e.ctx)).unwrap(),
-            other => panic!("unexpected {other:?}"),
-        }
-        firing.join().unwrap().unwrap();
-        assert!(
-            rx.try_recv().is_err(),
-            "nothing reached the caller's channel"
-        );
-    }
-
-    #[test]
-    fn a_bridge_without_handler_answers_events_itself() {
-        let (tx, rx) = channel::<()>();
-        let bridge = Bridge::new((), tx, false);
-        bridge
-            .handle_event(&EventType::START_RUN, &mut FlContext::new())
-            .unwrap();
-        assert!(rx.try_recv().is_err());
-    }
-}
+#[path = "embed_tests.rs"]
+mod tests;

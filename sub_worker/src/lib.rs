@@ -39,6 +39,7 @@ pub mod cli;
 pub mod embed;
 mod engine;
 pub mod errorfile;
+pub mod handoff;
 mod link;
 mod logging;
 mod os;

@@ -3,7 +3,10 @@
 //! whose `receive` serves the runtime's requests on Python's main thread.
 //!
 //! The Rust runtime runs on its own threads (`embed`): links, handshake, aborts,
-//! heartbeats and memory files never need the GIL. Every piece of Python code runs on
+//! heartbeats and memory files never need the GIL. Once the rank is ready, `receive`
+//! waits for the next task on the exec socket itself (without the GIL, checking for
+//! signals between slices) and `Task.reply` sends the result from this thread, so a
+//! task wakes no other thread of the rank. Every piece of Python code runs on
 //! the thread that calls `receive` (Python's main thread, where `KeyboardInterrupt` and
 //! signal handlers are delivered): components are built there (inside the first
 //! `receive`), their `handle_event` (and the script style's `on_event`) runs there, and
@@ -22,6 +25,8 @@
 //!   every event) up; the executor's start-up deadline ends it.
 //! - Events a task fires itself (`Context.fire_event`) reach this rank's components on
 //!   the thread that fired them, before they go to the host.
+//! - `receive` checks for signals between slices of its wait, not while it reads a
+//!   task's frame: over TCP, a large input that streams in delays Ctrl-C until it is in.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -29,7 +34,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use rankexec_protocol::{ComponentConfig, ComponentError, FlContext, Registry};
-use rankexec_sub_worker::embed::{self, Bridge, Built, Next, Request, Tasks};
+use rankexec_sub_worker::embed::{self, Built, Next, Request, Tasks};
 use rankexec_sub_worker::rank_info;
 
 use super::convert::{error_from_exception, error_without_traceback};
@@ -108,7 +113,7 @@ fn check_python(cfg: &ComponentConfig) -> Result<(), ComponentError> {
 
 /// The registry of `python -m rankexec.worker`: every path is a Python component, built
 /// by the thread in `receive`.
-fn component_registry(tx: crossbeam_channel::Sender<Request<Payload>>) -> Registry {
+fn component_registry(tx: embed::Requests<Payload>) -> Registry {
     let mut r = Registry::new();
     r.fallback(move |cfg| embed::build_on_caller(&tx, cfg), check_python);
     r
@@ -116,12 +121,12 @@ fn component_registry(tx: crossbeam_channel::Sender<Request<Payload>>) -> Regist
 
 /// The registry of a script: every component hands its tasks (and, with an `on_event`,
 /// its events) to `receive()`.
-fn script_registry(tx: crossbeam_channel::Sender<Request<Payload>>, on_event: bool) -> Registry {
+fn script_registry(tx: embed::Requests<Payload>, on_event: bool) -> Registry {
     let mut r = Registry::new();
     r.fallback(
-        move |_cfg| {
+        move |cfg| {
             Ok(rankexec_protocol::Component::Executor(Arc::new(
-                Bridge::new(None, tx.clone(), on_event),
+                tx.bridge(&cfg.id, None, on_event),
             )))
         },
         |_cfg| Ok(()),
@@ -151,9 +156,9 @@ fn to_task(py: Python<'_>, t: embed::Task<Payload>) -> PyResult<Task> {
 
 #[pymethods]
 impl Rank {
-    /// Waits for the next task; None once the host closed the group. Builds the
-    /// components and runs event handlers on this thread meanwhile. Ctrl-C raises
-    /// `KeyboardInterrupt`.
+    /// Waits for the next task; None once the host closed the group (and at once in a
+    /// process forked from the rank). Builds the components and runs event handlers on
+    /// this thread meanwhile. Ctrl-C raises `KeyboardInterrupt`.
     fn receive(&self, py: Python<'_>) -> PyResult<Option<Task>> {
         loop {
             let next = wait_sliced(py, None, |slice| {
@@ -227,7 +232,7 @@ pub fn start(mode: &str, on_event: Option<Py<PyAny>>) -> PyResult<Rank> {
             "this process already serves as a rank",
         ));
     }
-    let (tx, rx) = embed::channel::<Payload>();
+    let (tx, rx) = embed::channel::<Payload>()?;
     let registry = if mode == "components" {
         component_registry(tx)
     } else {
@@ -248,6 +253,8 @@ pub fn start(mode: &str, on_event: Option<Py<PyAny>>) -> PyResult<Rank> {
 #[pyfunction]
 pub fn worker_cli(args: Vec<String>) -> u8 {
     // Checks import modules with the GIL held on this thread (attach is re-entrant).
-    let (tx, _rx) = embed::channel::<Payload>();
-    embed::cli(component_registry(tx), args)
+    match embed::channel::<Payload>() {
+        Ok((tx, _rx)) => embed::cli(component_registry(tx), args),
+        Err(_) => rankexec_sub_worker::EXIT_INTERNAL,
+    }
 }

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyString, PyType};
 use rankexec_protocol::{Blob as RBlob, EventType, FlContext, PropFlags, Shareable, Signal};
 use rankexec_sub_worker::embed::{self, Reply, Request};
 
@@ -215,7 +216,7 @@ impl Context {
             .ok_or_else(|| EventFailed::new_err("this context has no engine"))?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         // This rank's own components handle the event on this thread (see below).
-        let (local_tx, local_rx) = embed::channel::<Payload>();
+        let (local_tx, local_rx) = crossbeam_channel::unbounded::<Request<Payload>>();
         let ev = EventType::new(event);
         std::thread::Builder::new()
             .name("rx-py-event".into())
@@ -446,7 +447,9 @@ impl Task {
             }
         };
         let ctx = self.ctx.bind(py).get().snapshot();
-        self.take_reply()?.send(Ok((out, ctx)));
+        let reply = self.take_reply()?;
+        // Packing and sending the result need no Python (and may wait for the socket).
+        py.detach(move || reply.send(Ok((out, ctx))));
         Ok(())
     }
 
@@ -455,7 +458,9 @@ impl Task {
     /// `OutOfMemoryError` as out of memory.
     fn fail(&self, py: Python<'_>, error: Bound<'_, PyAny>) -> PyResult<()> {
         let err = PyErr::from_value(error);
-        self.take_reply()?.send(Err(error_from_exception(py, &err)));
+        let reply = self.take_reply()?;
+        let failed = error_from_exception(py, &err);
+        py.detach(move || reply.send(Err(failed)));
         Ok(())
     }
 }
@@ -468,6 +473,8 @@ pub(crate) fn input_to_py(py: Python<'_>, input: Shareable) -> PyResult<Py<PyAny
     for (k, v) in blobs {
         b.set_item(k, Py::new(py, Blob { inner: v })?)?;
     }
-    let cls = py.import("rankexec._shareable")?.getattr("Shareable")?;
+    // Looked up once: an import per task is a dictionary walk per task.
+    static SHAREABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let cls = SHAREABLE.import(py, "rankexec._shareable", "Shareable")?;
     Ok(cls.call1((m, b))?.unbind())
 }

@@ -11,6 +11,8 @@
 //!   while others run.
 //! - `ignore_sigterm`: used only by the built-in `Sleep` component to play a rank that
 //!   refuses to stop, so tests can prove the executor escalates to `SIGKILL`.
+//! - `wait_readable`: `poll(2)` on a few descriptors, for a foreign rank's caller that
+//!   waits for its exec channel and its doorbell at once.
 
 use nix::sys::signal::{SigHandler, Signal};
 use nix::unistd::{Pid, getpgrp, getpid, getppid};
@@ -91,4 +93,61 @@ pub(crate) fn mapped_inode(addr: usize) -> Option<u64> {
         let inode: u64 = f.nth(3)?.parse().ok()?;
         (inode != 0).then_some(inode)
     })
+}
+
+/// Waits until one of `fds` is readable (or hung up) or `timeout` passes; which are.
+/// An interrupted wait (a signal) answers "none", so the caller can check its signals;
+/// a closed descriptor is an error (`EBADF`).
+pub(crate) fn wait_readable<const N: usize>(
+    fds: [std::os::fd::BorrowedFd<'_>; N],
+    timeout: std::time::Duration,
+) -> std::io::Result<[bool; N]> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut polled = fds.map(|fd| PollFd::new(fd, PollFlags::POLLIN));
+    // Rounded up, so a wait shorter than a millisecond still waits.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    match poll(
+        &mut polled,
+        PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+    ) {
+        Ok(_) => {}
+        Err(nix::errno::Errno::EINTR) => return Ok([false; N]),
+        Err(e) => return Err(e.into()),
+    }
+    let revents = polled.map(|p| p.revents().unwrap_or(PollFlags::empty()));
+    // A descriptor closed under us (user code closing what it did not open): an error,
+    // so the caller does not take it for readable and poll it again at once.
+    if revents.iter().any(|r| r.contains(PollFlags::POLLNVAL)) {
+        return Err(std::io::Error::from_raw_os_error(nix::libc::EBADF));
+    }
+    Ok(revents.map(|r| !r.is_empty()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::{AsFd, BorrowedFd};
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    #[test]
+    fn wait_readable_says_which_and_times_out() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let (c, _d) = UnixStream::pair().unwrap();
+        let quiet = super::wait_readable([a.as_fd(), c.as_fd()], Duration::from_millis(5));
+        assert_eq!(quiet.unwrap(), [false, false]);
+        b.write_all(&[1]).unwrap();
+        let one = super::wait_readable([a.as_fd(), c.as_fd()], Duration::from_secs(60));
+        assert_eq!(one.unwrap(), [true, false]);
+    }
+
+    #[test]
+    fn a_closed_descriptor_is_an_error_not_readable() {
+        // SAFETY: no descriptor this high can be open (the kernel's `nr_open` ceiling is
+        // far below it), so this borrows nothing anyone owns; `poll` only reads the
+        // number and reports it invalid.
+        let closed = unsafe { BorrowedFd::borrow_raw(i32::MAX - 1) };
+        let got = super::wait_readable([closed], Duration::from_secs(60));
+        assert_eq!(got.unwrap_err().raw_os_error(), Some(nix::libc::EBADF));
+    }
 }

@@ -14,64 +14,79 @@ use tracing::{debug, info, info_span, warn};
 
 use super::*;
 
+/// What one frame of the exec channel asked for.
+pub(super) enum Step {
+    /// Run this task, then answer it with [`finish_task`].
+    Run(Job),
+    /// The exec channel is done: `Close`, with this exit code.
+    Done(u8),
+    /// Nothing to run (a task whose input could not be unpacked was answered).
+    Next,
+}
+
 pub(super) fn exec_loop(rank: &Rank, executor: &Arc<dyn Executor>) -> u8 {
     loop {
-        let frame = match read_frame(&rank.exec.conn, &parent_limits()) {
-            Ok(f) => f,
-            Err(FrameError::Closed) if rank.closing() => return EXIT_OK,
-            Err(FrameError::Closed) => parent_gone("exec"),
-            Err(e) => protocol_violation("exec", &chain(&e)),
-        };
-        let msg = match envelope::decode(&frame) {
-            Ok(m) => m,
-            Err(e) => protocol_violation("exec", &chain(&e)),
-        };
-        match msg {
-            Message::Execute(x) => {
-                let x = *x;
-                let input = match envelope::unpack(x.input, &frame.body, frame.fds) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        rank.tasks().skip(x.task_id);
-                        let _ = rank.exec.send(&Message::TaskResult {
-                            task_id: x.task_id,
-                            outcome: Err(RankError {
-                                class: ErrorClass::Protocol,
-                                message: format!("cannot unpack task input: {}", chain(&e)),
-                            }),
-                        });
-                        continue;
-                    }
-                };
-                // The handle thread closes under the same lock, so a Close that came
-                // while this task was on its way is seen here.
-                let signal = {
-                    let mut tasks = rank.tasks();
-                    let closing = rank.closing().then_some("closing");
-                    tasks.start(x.task_id, closing)
-                };
-                // Tasks run here, one after another, on this one long-lived thread; the
-                // handle thread delivers aborts meanwhile.
-                run_task(
-                    rank,
-                    executor,
-                    Job {
-                        task_id: x.task_id,
-                        task: x.task,
-                        props: x.props,
-                        input,
-                        want_output: x.want_output,
-                        signal,
-                    },
-                );
-            }
-            Message::Close { reason } => {
-                info!(%reason, "close requested");
-                rank.closing.store(true, Ordering::SeqCst);
-                return EXIT_OK;
-            }
-            other => protocol_violation("exec", &format!("unexpected {}", other.kind())),
+        match exec_step(rank) {
+            Step::Run(job) => run_task(rank, executor, job),
+            Step::Done(code) => return code,
+            Step::Next => {}
         }
+    }
+}
+
+/// Reads and takes up one frame of the exec channel (blocking until it arrives).
+pub(super) fn exec_step(rank: &Rank) -> Step {
+    let frame = match read_frame(&rank.exec.conn, &parent_limits()) {
+        Ok(f) => f,
+        Err(FrameError::Closed) if rank.closing() => return Step::Done(EXIT_OK),
+        Err(FrameError::Closed) => parent_gone("exec"),
+        Err(e) => protocol_violation("exec", &chain(&e)),
+    };
+    let msg = match envelope::decode(&frame) {
+        Ok(m) => m,
+        Err(e) => protocol_violation("exec", &chain(&e)),
+    };
+    match msg {
+        Message::Execute(x) => {
+            let x = *x;
+            let input = match envelope::unpack(x.input, &frame.body, frame.fds) {
+                Ok(s) => s,
+                Err(e) => {
+                    rank.tasks().skip(x.task_id);
+                    let _ = rank.exec.send(&Message::TaskResult {
+                        task_id: x.task_id,
+                        outcome: Err(RankError {
+                            class: ErrorClass::Protocol,
+                            message: format!("cannot unpack task input: {}", chain(&e)),
+                        }),
+                    });
+                    return Step::Next;
+                }
+            };
+            // The handle thread closes under the same lock, so a Close that came
+            // while this task was on its way is seen here.
+            let signal = {
+                let mut tasks = rank.tasks();
+                let closing = rank.closing().then_some("closing");
+                tasks.start(x.task_id, closing)
+            };
+            // Tasks run one after another, on one long-lived thread; the handle thread
+            // delivers aborts meanwhile.
+            Step::Run(Job {
+                task_id: x.task_id,
+                task: x.task,
+                props: x.props,
+                input,
+                want_output: x.want_output,
+                signal,
+            })
+        }
+        Message::Close { reason } => {
+            info!(%reason, "close requested");
+            rank.closing.store(true, Ordering::SeqCst);
+            Step::Done(EXIT_OK)
+        }
+        other => protocol_violation("exec", &format!("unexpected {}", other.kind())),
     }
 }
 
@@ -86,26 +101,36 @@ pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
     let res = catch_unwind(AssertUnwindSafe(|| {
         executor.execute(&job.task, job.input, &mut ctx, &job.signal)
     }));
+    let res = match res {
+        Ok(r) => r.map_err(|e| RankError {
+            class: e.class(),
+            message: e.chain_text(),
+        }),
+        Err(p) => Err(RankError {
+            class: ErrorClass::Panic,
+            message: panic_text(&p),
+        }),
+    };
+    finish_task(rank, job.task_id, job.want_output, &ctx, res, started);
+    drop(input_blobs);
+}
+
+/// Packs and sends a task's result, and marks the rank idle.
+pub(super) fn finish_task(
+    rank: &Rank,
+    task_id: u64,
+    want_output: bool,
+    ctx: &FlContext,
+    res: Result<Shareable, RankError>,
+    started: std::time::Instant,
+) {
     let (outcome, output) = match res {
         // Rank 0 always returns its output; the others only when the executor gathers.
-        Ok(Ok(out)) => (
-            pack_output(rank, job.want_output || rank.env.rank == 0, &ctx, &out),
+        Ok(out) => (
+            pack_output(rank, want_output || rank.env.rank == 0, ctx, &out),
             Some(out),
         ),
-        Ok(Err(e)) => (
-            Err(RankError {
-                class: e.class(),
-                message: e.chain_text(),
-            }),
-            None,
-        ),
-        Err(p) => (
-            Err(RankError {
-                class: ErrorClass::Panic,
-                message: panic_text(&p),
-            }),
-            None,
-        ),
+        Err(e) => (Err(e), None),
     };
     rank.tasks().finish();
     match &outcome {
@@ -115,8 +140,8 @@ pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
         ),
         Err(e) => warn!(class = %e.class, "task failed: {}", e.message),
     }
-    send_result(rank, job.task_id, outcome);
-    drop((input_blobs, output));
+    send_result(rank, task_id, outcome);
+    drop(output);
 }
 
 /// A packed task result: what `Link::send_task_result` sends.

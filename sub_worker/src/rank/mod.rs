@@ -41,6 +41,7 @@
 //! - `startup`: environment, channels, `Init`, components, `serve`.
 //! - `tasks`: which task runs, and aborts that arrive before their task.
 //! - `exec`: the exec thread: tasks, one after another, and their results.
+//! - `port`: the exec channel served by an embedding caller's thread instead.
 //! - `service`: the handle, events, event and heartbeat threads, and the event queue.
 //! - `panics`: panic locations for error reports.
 
@@ -62,12 +63,14 @@ use crate::{errorfile, os};
 
 mod exec;
 mod panics;
+mod port;
 mod service;
 mod startup;
 mod tasks;
 
 use exec::exec_loop;
 use panics::{install_panic_capture, panic_text};
+pub use port::{ExecPort, Finish, PortStep, PortTask};
 pub use service::EVENT_QUEUE;
 use service::{event_loop, events_loop, handle_loop, heartbeat_loop};
 use startup::{Settings, StartupError, serve, settings};
@@ -105,6 +108,16 @@ pub fn rank_info() -> Option<&'static RankInfo> {
 /// Runs this process as a rank with the components of `registry`. Call it from `main`
 /// before starting any thread; it returns the process exit code.
 pub fn run(registry: Registry) -> std::process::ExitCode {
+    run_with(registry, None)
+}
+
+/// Offers the exec channel to an embedding caller once the rank is ready: `Ok` when it
+/// serves it (see [`ExecPort`]), the port back when it cannot (the rank then runs its
+/// tasks through its executor, on the runtime's thread).
+pub(crate) type ExecHook = Box<dyn FnOnce(ExecPort) -> Result<(), ExecPort> + Send>;
+
+/// [`run`], offering the exec channel to `hook` (a foreign runtime's caller).
+pub(crate) fn run_with(registry: Registry, hook: Option<ExecHook>) -> std::process::ExitCode {
     crate::logging::init();
     install_panic_capture();
     let settings = match settings() {
@@ -121,7 +134,7 @@ pub fn run(registry: Registry) -> std::process::ExitCode {
     });
     let span = info_span!("rank", rank = settings.env.rank);
     let _enter = span.enter();
-    match serve(settings, dir, registry) {
+    match serve(settings, dir, registry, hook) {
         Ok(code) => std::process::ExitCode::from(code),
         Err(e) => startup_failure(&e),
     }

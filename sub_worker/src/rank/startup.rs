@@ -189,6 +189,7 @@ pub(super) fn serve(
     settings: Settings,
     dir: Option<PathBuf>,
     registry: Registry,
+    hook: Option<ExecHook>,
 ) -> Result<u8, StartupError> {
     let exec = Arc::new(connect(&settings, Channel::Exec)?);
     let handle = Arc::new(connect(&settings, Channel::Handle)?);
@@ -271,7 +272,22 @@ pub(super) fn serve(
         let rank = rank.clone();
         move || handle_loop(&rank, events_tx)
     });
-    let code = exec_loop(&rank, &built.executor);
+    let code = match hook {
+        None => exec_loop(&rank, &built.executor),
+        Some(hook) => {
+            let (done, code) = crate::handoff::oneshot();
+            let port = ExecPort::new(rank.clone(), init.executor_id.clone(), done);
+            match hook(port) {
+                // The caller serves the exec channel; its `Close` (or its end) ends this
+                // wait, as the parent's `Close` ends the exec loop.
+                Ok(()) => code.wait().unwrap_or(EXIT_INTERNAL),
+                Err(port) => {
+                    drop(port);
+                    exec_loop(&rank, &built.executor)
+                }
+            }
+        }
+    };
     stop.trigger("closing");
     info!("rank closed");
     Ok(code)
