@@ -363,7 +363,7 @@ def test_an_abort_reaches_every_receiving_rank_and_the_group_survives(tmp_path, 
     for r in receiving:
         # The rank's stderr reaches its log file through the host's relay thread.
         warning = "task `train` was aborted (the controller aborted)"
-        assert wait_until(lambda r=r: warning in g.stderr(r), timeout=CAP_S), g.stderr(r)
+        assert wait_until(lambda r=r, w=warning: w in g.stderr(r), timeout=CAP_S), g.stderr(r)
     reply = g.execute("train", {"w": np.ones(2, np.float32)}, round_=1)
     np.testing.assert_array_equal(from_shareable(reply).data["w"], np.full(2, 2, np.float32))
     assert g.close()["escalated"] is None
