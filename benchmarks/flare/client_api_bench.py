@@ -255,6 +255,13 @@ def simulate(job: Path, ws: Path, clients: int = 2, cap: float = 600) -> tuple[i
                 except ProcessLookupError:
                     pass
             proc.wait()
+    if rc != 0:
+        # Kept for a look afterwards (the run's temporary folder is removed).
+        keep = REPO / "target" / "client-api-bench-logs" / ws.name
+        keep.mkdir(parents=True, exist_ok=True)
+        for log in [ws.parent / f"{ws.name}.out", *ws.glob("*/*log*.txt")]:
+            dest = keep / log.relative_to(ws.parent).as_posix().replace("/", "__")
+            shutil.copyfile(log, dest)
     return rc, time.monotonic() - t0
 
 
