@@ -19,6 +19,17 @@ use super::state::*;
 /// Inputs with fewer blob bytes than this are packed on the dispatcher thread.
 const INLINE_PACK_BYTES: u64 = 64 << 10;
 
+/// The bytes packing `input` copies: every blob's for links without descriptors
+/// (`inline_links`), else only the blobs not already in a sealed memory file.
+pub(super) fn bytes_to_copy(input: &Shareable, inline_links: bool) -> u64 {
+    input
+        .blobs()
+        .values()
+        .filter(|b| inline_links || !b.is_shared())
+        .map(|b| b.len() as u64)
+        .sum()
+}
+
 impl Dispatcher {
     pub(super) fn cmd_execute(&mut self, c: ExecuteCmd) {
         if self.finalized {
@@ -67,9 +78,11 @@ impl Dispatcher {
             zero_copy_threshold: self.cfg.zero_copy_threshold.bytes(),
         };
         let generation = g.generation;
-        // Small inputs (no blob to copy into a memory file) are packed here: a hop to
-        // the work thread would cost more than the packing.
-        let inline = c.input.blob_bytes() < INLINE_PACK_BYTES;
+        // Inputs with little to copy are packed here: a hop to the work thread would
+        // cost more than the packing. A blob already in a sealed memory file is passed
+        // as its descriptor to ranks that take descriptors (nothing to copy); a link
+        // without descriptors (TCP) carries every blob's bytes in the frame.
+        let inline = bytes_to_copy(&c.input, needed[1]) < INLINE_PACK_BYTES;
         let packed_here = if inline {
             Some(spec.pack())
         } else {

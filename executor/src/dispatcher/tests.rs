@@ -369,3 +369,22 @@ fn a_task_waiting_for_a_launch_whose_abort_fires_drops_the_launch() {
     d.on_timers(Instant::now() + Duration::from_secs(60));
     assert!(d.group.is_none() && d.pending.is_none());
 }
+
+#[test]
+fn a_blob_already_in_shared_memory_is_not_counted_as_bytes_to_copy() {
+    use rankexec_protocol::Blob;
+    let shared = Blob::shared_with(1 << 20, |b| b.fill(7)).unwrap();
+    let heap = Blob::from(vec![1u8; 1 << 20]);
+    let only_shared =
+        Shareable::from_parts(BTreeMap::new(), [("w".to_owned(), shared.clone())].into());
+    let both = Shareable::from_parts(
+        BTreeMap::new(),
+        [("w".to_owned(), shared), ("h".to_owned(), heap)].into(),
+    );
+    // Ranks that take descriptors get the sealed file as is: packed on the dispatcher.
+    assert_eq!(super::task::bytes_to_copy(&only_shared, false), 0);
+    assert_eq!(super::task::bytes_to_copy(&both, false), 1 << 20);
+    // A TCP rank gets every byte in its frame.
+    assert_eq!(super::task::bytes_to_copy(&only_shared, true), 1 << 20);
+    assert_eq!(super::task::bytes_to_copy(&both, true), 2 << 20);
+}
