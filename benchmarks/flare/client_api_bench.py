@@ -288,10 +288,7 @@ def _site_lines(ws: Path, site: str) -> list[str]:
 
 
 def _train_times(ws: Path, site: str, kind: str) -> list[float]:
-    if kind == "torchrun":
-        text = "\n".join(_site_lines(ws, site))
-    else:
-        text = (ws / site / "simulate_job" / "rankexec" / "rank-0" / "stdout.log").read_text()
+    text = _rank_text(ws, site, kind)  # only rank 0 prints it
     return [float(x) for x in re.findall(r"training took ([\d.]+) s", text)]
 
 

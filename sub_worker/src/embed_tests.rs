@@ -16,12 +16,9 @@ fn task_of<T>(r: Request<T>) -> Task<T> {
     }
 }
 
-#[test]
-fn the_runtimes_end_wakes_the_waiting_caller() {
-    let (_tx, inbox) = channel::<()>().unwrap();
-    let (done_tx, done) = bounded(1);
-    let bell = inbox.bell.clone();
-    let mut tasks = Tasks {
+/// The caller's end of `inbox` before the rank is ready (no exec port yet).
+fn tasks_over<T>(inbox: Inbox<T>, done: Receiver<u8>) -> Tasks<T> {
+    Tasks {
         rx: inbox.rx,
         bell: inbox.bell,
         done,
@@ -29,7 +26,15 @@ fn the_runtimes_end_wakes_the_waiting_caller() {
         ports: bounded(1).1,
         port: None,
         pid: std::process::id(),
-    };
+    }
+}
+
+#[test]
+fn the_runtimes_end_wakes_the_waiting_caller() {
+    let (_tx, inbox) = channel::<()>().unwrap();
+    let (done_tx, done) = bounded(1);
+    let bell = inbox.bell.clone();
+    let mut tasks = tasks_over(inbox, done);
     assert!(matches!(tasks.next(Duration::from_millis(10)), Next::Idle));
     let runtime = std::thread::spawn(move || {
         done_tx.send(7).unwrap();
@@ -86,15 +91,7 @@ fn a_task_dropped_without_reply_fails_the_task() {
 fn components_are_built_and_handle_events_on_the_callers_thread() {
     let (tx, rx) = channel::<u32>().unwrap();
     let (_running, done) = bounded(1);
-    let mut tasks = Tasks {
-        rx: rx.rx,
-        bell: rx.bell,
-        done,
-        code: None,
-        ports: bounded(1).1,
-        port: None,
-        pid: std::process::id(),
-    };
+    let mut tasks = tasks_over(rx, done);
     let caller = std::thread::current().id();
     let runtime = std::thread::spawn(move || {
         let cfg = ComponentConfig::new("c", "C", serde_json::json!({}));
