@@ -47,6 +47,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "flare" / "client-api"
 NVFLARE = Path(sys.executable).parent / "nvflare"
+#: Rounds of the digits job (``--rounds``): every round after the first is a sample
+#: of the per-round overhead, on each of the two sites.
+ROUNDS = 10
 TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 RAISING = """
@@ -265,9 +268,16 @@ def simulate(job: Path, ws: Path, clients: int = 2, cap: float = 600) -> tuple[i
     return rc, time.monotonic() - t0
 
 
-def _job(kind: str, root: Path, name: str, script: str | None = None, args=None) -> Path:
+def _job(
+    kind: str, root: Path, name: str, script: str | None = None, args=None, rounds=None
+) -> Path:
     job = root / name
     shutil.copytree(EXAMPLE / "jobs" / kind, job)
+    if rounds is not None:
+        server = job / "app_server" / "config" / "config_fed_server.json"
+        cfg = json.loads(server.read_text())
+        cfg["workflows"][0]["args"]["num_rounds"] = rounds
+        server.write_text(json.dumps(cfg, indent=2))
     for app in job.glob("app_site-*"):
         if script is not None:
             (app / "custom" / "client.py").write_text(script)
@@ -322,7 +332,7 @@ def _rank_text(ws: Path, site: str, kind: str) -> str:
 
 def digits(root: Path, kind: str) -> dict:
     script = _probed((EXAMPLE / "client.py").read_text())
-    job = _job(kind, root, f"digits-{kind}", script=script)
+    job = _job(kind, root, f"digits-{kind}", script=script, rounds=ROUNDS)
     ws = root / f"ws-digits-{kind}"
     rc, wall = simulate(job, ws)
     out = {"scenario": "digits", "executor": kind, "rc": rc, "wall_s": wall}
@@ -350,6 +360,9 @@ def digits(root: Path, kind: str) -> dict:
     out["script_startup_s"] = sum(own_startups) / len(own_startups)
     out["executor_startup_s"] = out["first_task_s"] - out["script_startup_s"]
     out["round_overhead_s"] = sum(overheads) / len(overheads)
+    out["round_overhead_median_s"] = sorted(overheads)[len(overheads) // 2]
+    out["round_overhead_samples"] = len(overheads)
+    out["round_overheads_ms"] = [round(o * 1e3, 2) for o in overheads]
     out["script_round_s"] = sum(own_rounds) / len(own_rounds)
     out["training_s"] = sum(trains) / len(trains)
     out["tracebacks"] = sum(
@@ -478,13 +491,16 @@ def aborted(root: Path, kind: str) -> dict:
 
 
 def main() -> int:
+    global ROUNDS
     p = argparse.ArgumentParser()
     p.add_argument("--skip-big", action="store_true")
     p.add_argument("--only", default="", help="comma-separated: digits,raise,big")
     p.add_argument("--out", default=None)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of the digits job")
     p.add_argument("--impl", default="torchrun,rankexec", help="which sides to run")
     args = p.parse_args()
+    ROUNDS = args.rounds
     root = Path(tempfile.mkdtemp(prefix="rankexec-ca-bench-"))
     results = []
     try:
@@ -510,8 +526,9 @@ def main() -> int:
         ("digits", "script_startup_s", "  of which the script's own (imports, set-up, round 0), s"),
         ("digits", "executor_startup_s", "  of which the executor's (launch, init, delivery), s"),
         ("digits", "round_overhead_s", "per-round overhead (task time minus the script's), s"),
+        ("digits", "round_overhead_median_s", "  its median over the rounds, s"),
         ("digits", "script_round_s", "  the script's own work per round (not overhead), s"),
-        ("digits", "wall_s", "whole job (3 rounds, 2 clients x 2 ranks), s"),
+        ("digits", "wall_s", f"whole job ({ROUNDS} rounds, 2 clients x 2 ranks), s"),
         ("raise", "raise_to_error_s", "a rank raising: to the client's error log, s"),
         ("abort", "abort_to_task_end_s", "an abort: workflow end to the aborted task's end, s"),
         ("abort", "wall_s", "whole job with the abort, s"),

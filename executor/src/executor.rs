@@ -43,8 +43,10 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use crossbeam_channel::{Sender, bounded};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, bounded};
+use rankexec_protocol::wire::message::Props;
 use rankexec_protocol::{
     ComponentError, EventType, Executor, FlComponent, FlContext, Shareable, Signal, keys,
 };
@@ -155,22 +157,37 @@ impl MultiProcessExecutor {
         ctx: &mut FlContext,
         abort: &Signal,
     ) -> Result<Shareable, ExecuteError> {
+        let pending = self.submit_task(task, input, ctx.props().clone(), abort)?;
+        let (out, props) = pending.wait()?;
+        for conflict in ctx.merge_from(props) {
+            tracing::warn!(task, "{conflict}");
+        }
+        Ok(out)
+    }
+
+    /// Hands `task` to the dispatcher and returns at once: the caller waits for the
+    /// result on its own thread ([`PendingTask::wait_timeout`]), in slices if it has
+    /// other things to watch (a caller's abort flag, signals), with no thread of ours
+    /// between the result and the caller. `props` are the caller's context properties.
+    pub fn submit_task(
+        &self,
+        task: &str,
+        input: Shareable,
+        props: Props,
+        abort: &Signal,
+    ) -> Result<PendingTask, ExecuteError> {
         let (reply, rx) = bounded(1);
         if !self.send(Command::Execute(ExecuteCmd {
             task: task.to_owned(),
             input,
-            props: ctx.props().clone(),
+            props,
             abort: abort.clone(),
             reply,
             wake: None,
         })) {
             return Err(ExecuteError::DispatcherGone);
         }
-        let (out, props) = rx.recv().unwrap_or(Err(ExecuteError::DispatcherGone))?;
-        for conflict in ctx.merge_from(props) {
-            tracing::warn!(task, "{conflict}");
-        }
-        Ok(out)
+        Ok(PendingTask { rx })
     }
 
     /// Delivers `event` to every rank and waits for all acknowledgements; rank 0's
@@ -293,6 +310,33 @@ impl Drop for MultiProcessExecutor {
         drop(std::mem::replace(&mut h.tx, tx));
         if let Some(t) = h.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// A task handed to the dispatcher by [`MultiProcessExecutor::submit_task`]: its result
+/// (the output and rank 0's context properties) once every rank answered.
+#[derive(Debug)]
+pub struct PendingTask {
+    rx: Receiver<Result<(Shareable, Props), ExecuteError>>,
+}
+
+impl PendingTask {
+    /// Waits for the result. The dispatcher answers every task it took (each rank's
+    /// task deadline bounds it); if it is gone, the error says so.
+    pub fn wait(self) -> Result<(Shareable, Props), ExecuteError> {
+        self.rx.recv().unwrap_or(Err(ExecuteError::DispatcherGone))
+    }
+
+    /// Waits up to `timeout`; None if the task is still running.
+    pub fn wait_timeout(
+        &self,
+        timeout: Duration,
+    ) -> Option<Result<(Shareable, Props), ExecuteError>> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => Some(r),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some(Err(ExecuteError::DispatcherGone)),
         }
     }
 }

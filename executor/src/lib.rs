@@ -38,6 +38,6 @@ pub use error::{
     EventError, ExecuteError, FailureCause, FinalizeError, FinalizeReport, GatherError,
     RankFailure, RemoteError, StartError,
 };
-pub use executor::MultiProcessExecutor;
+pub use executor::{MultiProcessExecutor, PendingTask};
 pub use os::{ExitStatus, TermSignal};
 pub use units::{ByteSize, Dur};

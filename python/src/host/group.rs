@@ -1,8 +1,9 @@
 //! `_HostGroup`: one `MultiProcessExecutor` owned by Python.
 //!
-//! Every blocking call (start, execute, fire_event, close) runs on a helper thread while
-//! the caller waits without the GIL (see `wait`), so other Python threads run, Ctrl-C
-//! is seen within a slice, and `execute` can poll a caller's abort flag at a few
+//! Every blocking call (start, fire_event, close) runs on a helper thread while the
+//! caller waits without the GIL (see `wait`); `execute` hands its task to the
+//! dispatcher and waits for the result on the caller's thread (no thread between
+//! them). Either way other Python threads run, Ctrl-C is seen within a slice, and `execute` can poll a caller's abort flag at a few
 //! milliseconds (FLARE's `abort_signal` has no wake-up). `abort()` from another thread
 //! fires the in-flight task's signal in every rank.
 //!
@@ -30,7 +31,7 @@ use super::convert;
 use super::engine::PyEngine;
 use super::errors;
 use super::staging::Stager;
-use super::wait::run_blocking;
+use super::wait::{Slice, run_blocking, wait_for};
 
 /// How often a blocking call without an abort flag wakes to check for Ctrl-C: the
 /// rank side's slice.
@@ -191,39 +192,44 @@ impl HostGroup {
         } else {
             SIGNAL_SLICE
         };
-        let (s_task, s_tick, s_int) = (signal.clone(), signal.clone(), signal);
-        let task_name = task.clone();
-        let result = run_blocking(
-            py,
-            "rx-py-task",
-            slice,
-            move || {
-                let mut ctx = ctx;
-                let r = exec.run_task(&task_name, input, &mut ctx, &s_task);
-                (r, ctx)
-            },
-            |py| {
-                if let Some(check) = &abort_check {
-                    if s_tick.is_triggered() {
-                        return Ok(());
-                    }
-                    match check.call0(py).and_then(|v| v.is_truthy(py)) {
-                        Ok(true) => s_tick.trigger(abort_reason.clone()),
-                        Ok(false) => {}
-                        Err(e) => {
-                            tracing::warn!(task, "the abort check raised: {e}; aborting");
-                            s_tick.trigger("the abort check raised");
+        let (s_tick, s_int) = (signal.clone(), signal.clone());
+        let pending = exec
+            .submit_task(&task, input, ctx.props().clone(), &signal)
+            .map_err(|e| errors::execute_error(py, &e));
+        let result = pending.and_then(|pending| {
+            wait_for(
+                py,
+                slice,
+                |left| match pending.wait_timeout(left) {
+                    Some(r) => Slice::Done(r),
+                    None => Slice::Pending,
+                },
+                |py| {
+                    if let Some(check) = &abort_check {
+                        if s_tick.is_triggered() {
+                            return Ok(());
+                        }
+                        match check.call0(py).and_then(|v| v.is_truthy(py)) {
+                            Ok(true) => s_tick.trigger(abort_reason.clone()),
+                            Ok(false) => {}
+                            Err(e) => {
+                                tracing::warn!(task, "the abort check raised: {e}; aborting");
+                                s_tick.trigger("the abort check raised");
+                            }
                         }
                     }
-                }
-                Ok(())
-            },
-            |_| s_int.trigger("interrupted (Ctrl-C)"),
-        );
+                    Ok(())
+                },
+                |_| s_int.trigger("interrupted (Ctrl-C)"),
+            )
+        });
         drop(_in_flight);
         self.stager.prepare_in_background(sizes);
-        let (r, ctx) = result?;
-        let out = r.map_err(|e| errors::execute_error(py, &e))?;
+        let (out, props) = result?.map_err(|e| errors::execute_error(py, &e))?;
+        let mut ctx = ctx;
+        for conflict in ctx.merge_from(props) {
+            tracing::warn!(task, "{conflict}");
+        }
         let (meta, blobs) = out.into_parts();
         let py_meta = crate::value::map_to_py(py, &meta)?;
         let py_blobs = PyDict::new(py);
