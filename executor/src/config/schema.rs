@@ -207,6 +207,11 @@ pub enum ResultPolicy {
     /// Rank 0's shareable and context (FLARE's rule). Other ranks only report success.
     #[default]
     Rank0,
+    /// Only rank 0 gets the tasks; its shareable and context are the result. The other
+    /// ranks never see a task (nor its abort): they follow rank 0 on their own, through
+    /// collectives, as the ranks other than 0 of a FLARE Client API script do. Their
+    /// crash, hang or exit still fails the task in flight and the group.
+    Rank0Only,
     /// Every rank returns its shareable; the named blobs (little-endian `f32` arrays) are
     /// averaged, weighted by each rank's numeric meta `weight_key`. The rest comes from
     /// rank 0, and `weight_key` becomes the sum of the weights.

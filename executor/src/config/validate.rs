@@ -28,10 +28,15 @@ impl ConfigError {
 }
 
 impl ResultPolicy {
+    /// Whether rank `rank` gets the tasks.
+    pub fn delivers_to(&self, rank: usize) -> bool {
+        rank == 0 || *self != ResultPolicy::Rank0Only
+    }
+
     /// Whether `task` combines every rank's output.
     pub fn gathers(&self, task: &str) -> bool {
         match self {
-            ResultPolicy::Rank0 => false,
+            ResultPolicy::Rank0 | ResultPolicy::Rank0Only => false,
             ResultPolicy::Gather { tasks, .. } => {
                 tasks.is_empty() || tasks.iter().any(|t| t == task)
             }

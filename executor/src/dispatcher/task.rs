@@ -117,7 +117,12 @@ impl Dispatcher {
         self.task = Some(TaskOp {
             id,
             deadline: Instant::now() + self.cfg.deadlines.task.0,
-            results: vec![None; world as usize],
+            // A rank that does not get the task (`rank0_only`) has answered already.
+            results: (0..world as usize)
+                .map(|r| {
+                    (!self.cfg.result.delivers_to(r)).then(|| Ok((Props::new(), Shareable::new())))
+                })
+                .collect(),
             aborting: None,
             _sub: sub,
             span,
@@ -149,7 +154,10 @@ impl Dispatcher {
                 return;
             }
         };
-        for link in &g.links {
+        for (rank, link) in g.links.iter().enumerate() {
+            if !self.cfg.result.delivers_to(rank) {
+                continue;
+            }
             if let Some(f) = &frames[usize::from(!link.passes_fds())] {
                 link.send(Channel::Exec, f.clone());
             }

@@ -142,6 +142,10 @@ class ScriptExecutor(MultiProcessExecutor):
             restart=restart,
             relay_events=relay_events,
             abort_poll_interval=abort_poll_interval,
+            # As under FLARE, only rank 0's script receives tasks: the other ranks are
+            # not sent them at all (unless every rank receives), so a round wakes no
+            # process that has nothing to do with it.
+            result="rank0" if all_ranks_receive else "rank0_only",
         )
         self._launcher = launcher
         self._deadlines = deadlines
