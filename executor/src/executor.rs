@@ -2,8 +2,9 @@
 //!
 //! A host (a federated client) calls it like any [`Executor`]. On `START_RUN` it
 //! launches `num_of_processes` ranks and keeps them alive across tasks; every task is
-//! fanned out to all ranks and rank 0's result is returned (or all results are combined,
-//! see [`ResultPolicy`](crate::ResultPolicy)); events travel both ways; `END_RUN`
+//! fanned out to all ranks (or sent to rank 0 alone, `ResultPolicy::Rank0Only`) and rank
+//! 0's result is returned (or all results are combined, see
+//! [`ResultPolicy`](crate::ResultPolicy)); events travel both ways; `END_RUN`
 //! reaches the ranks and then the group is torn down.
 //!
 //! ```no_run
