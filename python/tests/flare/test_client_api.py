@@ -458,3 +458,13 @@ def test_the_rank_program_uses_flare_s_own_names_for_its_hook():
 
     assert _script_rank.CLIENT_API_TYPE_ENV == CLIENT_API_TYPE_KEY
     assert _script_rank.BOOTSTRAP_FILE_ENV == BOOTSTRAP_FILE_ENV_VAR
+
+
+@pytest.mark.parametrize(("all_ranks", "policy"), [(False, "rank0_only"), (True, "rank0")])
+def test_only_rank_0_is_sent_tasks_unless_every_rank_receives(tmp_path, all_ranks, policy):
+    # FLARE's ranks other than 0 never see a task: the group does not send them any
+    # (tests/rank0_only.rs proves what the policy does with real ranks).
+    executor = ScriptExecutor(
+        script="custom/client.py", num_of_processes=2, all_ranks_receive=all_ranks
+    )
+    assert executor.group_config(str(tmp_path / "run"), str(tmp_path))["result"] == policy
