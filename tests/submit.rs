@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rankexec::executor::{ExecuteError, MultiProcessExecutor};
-use rankexec::protocol::{Shareable, Signal, Value};
+use rankexec::protocol::{FlContext, Shareable, Signal, Value};
 
 /// Waits in slices of `slice` (at most `within` in all), counting the empty ones.
 fn wait_sliced(
@@ -16,11 +16,12 @@ fn wait_sliced(
     slice: Duration,
     within: Duration,
 ) -> (usize, Option<Result<Shareable, ExecuteError>>) {
+    let mut ctx = FlContext::new();
     let deadline = Instant::now() + within;
     let mut empty = 0;
     while Instant::now() < deadline {
-        match pending.wait_timeout(slice) {
-            Some(r) => return (empty, Some(r.map(|(out, _props)| out))),
+        match pending.wait_timeout(slice, &mut ctx) {
+            Some(r) => return (empty, Some(r)),
             None => empty += 1,
         }
     }
@@ -45,7 +46,7 @@ fn a_submitted_task_is_waited_for_in_slices_and_can_be_aborted_between_them() {
         .submit_task(
             "train",
             Shareable::new().with_meta("secs", 0.5),
-            ctx.props().clone(),
+            &ctx,
             &Signal::new(),
         )
         .unwrap();
@@ -60,9 +61,13 @@ fn a_submitted_task_is_waited_for_in_slices_and_can_be_aborted_between_them() {
     // The ranks sleep 60 s; the caller fires the abort after a few empty slices.
     let abort = Signal::new();
     let pending = exec
-        .submit_task("train", Shareable::new(), ctx.props().clone(), &abort)
+        .submit_task("train", Shareable::new(), &ctx, &abort)
         .unwrap();
-    assert!(pending.wait_timeout(Duration::from_millis(50)).is_none());
+    assert!(
+        pending
+            .wait_timeout(Duration::from_millis(50), &mut FlContext::new())
+            .is_none()
+    );
     abort.trigger("caller gave up");
     let (_, out) = wait_sliced(&pending, Duration::from_millis(10), Duration::from_secs(60));
     let err = out.expect("the aborted task never ended").unwrap_err();
@@ -79,12 +84,7 @@ fn a_submitted_task_is_waited_for_in_slices_and_can_be_aborted_between_them() {
     exec.finalize().unwrap();
     assert_gone(&pids, "after finalize");
     let pending = exec
-        .submit_task(
-            "train",
-            Shareable::new(),
-            ctx.props().clone(),
-            &Signal::new(),
-        )
+        .submit_task("train", Shareable::new(), &ctx, &Signal::new())
         .unwrap();
     let (_, out) = wait_sliced(&pending, Duration::from_millis(10), Duration::from_secs(30));
     let err = out

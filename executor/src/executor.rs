@@ -158,37 +158,35 @@ impl MultiProcessExecutor {
         ctx: &mut FlContext,
         abort: &Signal,
     ) -> Result<Shareable, ExecuteError> {
-        let pending = self.submit_task(task, input, ctx.props().clone(), abort)?;
-        let (out, props) = pending.wait()?;
-        for conflict in ctx.merge_from(props) {
-            tracing::warn!(task, "{conflict}");
-        }
-        Ok(out)
+        self.submit_task(task, input, ctx, abort)?.wait(ctx)
     }
 
     /// Hands `task` to the dispatcher and returns at once: the caller waits for the
     /// result on its own thread ([`PendingTask::wait_timeout`]), in slices if it has
     /// other things to watch (a caller's abort flag, signals), with no thread of ours
-    /// between the result and the caller. `props` are the caller's context properties.
+    /// between the result and the caller. The ranks get `ctx`'s properties.
     pub fn submit_task(
         &self,
         task: &str,
         input: Shareable,
-        props: Props,
+        ctx: &FlContext,
         abort: &Signal,
     ) -> Result<PendingTask, ExecuteError> {
         let (reply, rx) = bounded(1);
         if !self.send(Command::Execute(ExecuteCmd {
             task: task.to_owned(),
             input,
-            props,
+            props: ctx.props().clone(),
             abort: abort.clone(),
             reply,
             wake: None,
         })) {
             return Err(ExecuteError::DispatcherGone);
         }
-        Ok(PendingTask { rx })
+        Ok(PendingTask {
+            task: task.to_owned(),
+            rx,
+        })
     }
 
     /// Delivers `event` to every rank and waits for all acknowledgements; rank 0's
@@ -316,28 +314,45 @@ impl Drop for MultiProcessExecutor {
 }
 
 /// A task handed to the dispatcher by [`MultiProcessExecutor::submit_task`]: its result
-/// (the output and rank 0's context properties) once every rank answered.
+/// once every rank answered, with rank 0's context merged into the caller's by the merge
+/// rule of [`FlContext`].
 #[derive(Debug)]
 pub struct PendingTask {
+    task: String,
     rx: Receiver<Result<(Shareable, Props), ExecuteError>>,
 }
 
 impl PendingTask {
     /// Waits for the result. The dispatcher answers every task it took (each rank's
     /// task deadline bounds it); if it is gone, the error says so.
-    pub fn wait(self) -> Result<(Shareable, Props), ExecuteError> {
-        self.rx.recv().unwrap_or(Err(ExecuteError::DispatcherGone))
+    pub fn wait(self, ctx: &mut FlContext) -> Result<Shareable, ExecuteError> {
+        let result = self.rx.recv().unwrap_or(Err(ExecuteError::DispatcherGone));
+        self.merged(result, ctx)
     }
 
     /// Waits up to `timeout`; None if the task is still running.
     pub fn wait_timeout(
         &self,
         timeout: Duration,
-    ) -> Option<Result<(Shareable, Props), ExecuteError>> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => Some(r),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => Some(Err(ExecuteError::DispatcherGone)),
+        ctx: &mut FlContext,
+    ) -> Option<Result<Shareable, ExecuteError>> {
+        let result = match self.rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Timeout) => return None,
+            Err(RecvTimeoutError::Disconnected) => Err(ExecuteError::DispatcherGone),
+        };
+        Some(self.merged(result, ctx))
+    }
+
+    fn merged(
+        &self,
+        result: Result<(Shareable, Props), ExecuteError>,
+        ctx: &mut FlContext,
+    ) -> Result<Shareable, ExecuteError> {
+        let (out, props) = result?;
+        for conflict in ctx.merge_from(props) {
+            tracing::warn!(task = self.task, "{conflict}");
         }
+        Ok(out)
     }
 }

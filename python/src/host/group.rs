@@ -3,8 +3,8 @@
 //! Every blocking call (start, fire_event, close) runs on a helper thread while the
 //! caller waits without the GIL (see `wait`); `execute` hands its task to the
 //! dispatcher and waits for the result on the caller's thread (no thread between
-//! them). Either way other Python threads run, Ctrl-C is seen within a slice, and `execute` can poll a caller's abort flag at a few
-//! milliseconds (FLARE's `abort_signal` has no wake-up). `abort()` from another thread
+//! them). Either way other Python threads run, Ctrl-C is seen within a slice, and
+//! `execute` can poll a caller's abort flag at a few milliseconds (FLARE's `abort_signal` has no wake-up). `abort()` from another thread
 //! fires the in-flight task's signal in every rank.
 //!
 //! A group dropped without `close()` is torn down when it is freed, also when its
@@ -186,7 +186,7 @@ impl HostGroup {
         drop(buffers);
         let (blob_map, sizes) = staged.map_err(|e| errors::staging_error(py, &e))?;
         let input = Shareable::from_parts(meta, blob_map);
-        let ctx = self.context(props)?;
+        let mut ctx = self.context(props)?;
         let slice = if abort_check.is_some() {
             Duration::try_from_secs_f64(poll_s.clamp(0.001, 1.0)).unwrap_or(SIGNAL_SLICE)
         } else {
@@ -194,13 +194,13 @@ impl HostGroup {
         };
         let (s_tick, s_int) = (signal.clone(), signal.clone());
         let pending = exec
-            .submit_task(&task, input, ctx.props().clone(), &signal)
+            .submit_task(&task, input, &ctx, &signal)
             .map_err(|e| errors::execute_error(py, &e));
         let result = pending.and_then(|pending| {
             wait_for(
                 py,
                 slice,
-                |left| match pending.wait_timeout(left) {
+                |left| match pending.wait_timeout(left, &mut ctx) {
                     Some(r) => Slice::Done(r),
                     None => Slice::Pending,
                 },
@@ -225,11 +225,7 @@ impl HostGroup {
         });
         drop(_in_flight);
         self.stager.prepare_in_background(sizes);
-        let (out, props) = result?.map_err(|e| errors::execute_error(py, &e))?;
-        let mut ctx = ctx;
-        for conflict in ctx.merge_from(props) {
-            tracing::warn!(task, "{conflict}");
-        }
+        let out = result?.map_err(|e| errors::execute_error(py, &e))?;
         let (meta, blobs) = out.into_parts();
         let py_meta = crate::value::map_to_py(py, &meta)?;
         let py_blobs = PyDict::new(py);
