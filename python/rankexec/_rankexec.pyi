@@ -13,6 +13,7 @@ __all__ = [
     "Context",
     "EventFailed",
     "HostBlob",
+    "LedgerError",
     "NotARank",
     "PrivateBuffer",
     "PropConflict",
@@ -23,7 +24,12 @@ __all__ = [
     "Task",
     "TaskAborted",
     "ValueBoundsError",
+    "_GpuReservation",
     "_HostGroup",
+    "_gpu_inventory",
+    "_gpu_ledger",
+    "_parse_gpu_inventory",
+    "_reserve_gpus",
     "__version__",
     "start",
     "worker_cli",
@@ -204,3 +210,29 @@ class _HostGroup:
     def log_dir(self) -> Path | None: ...
     @property
     def staged_bytes(self) -> int: ...
+
+# ---- site GPUs (python/src/gpus.rs; used by rankexec.flare.resources) ----------------
+
+class LedgerError(RankexecError): ...
+
+@final
+class _GpuReservation:
+    @property
+    def id(self) -> str: ...
+    @property
+    def gpus(self) -> list[str]: ...
+    @property
+    def held(self) -> bool: ...
+    def release(self) -> bool: ...
+
+def _gpu_inventory(visible: str | None = None) -> str: ...
+def _parse_gpu_inventory(spec: str) -> str: ...
+def _gpu_ledger() -> str: ...
+def _reserve_gpus(
+    num_gpus: int,
+    mem_per_gpu: int,
+    ratio: float,
+    floor: int,
+    visible: str | None,
+    id: str,
+) -> tuple[_GpuReservation | None, str, bool]: ...

@@ -9,11 +9,15 @@
 //! - [`host`]: the host side. A rank group (`MultiProcessExecutor`) driven from Python,
 //!   used by the NVIDIA FLARE adapter.
 //!
+//! Beside them, `gpus`: the site's GPU inventory and whole-job reservations in the host's ledger,
+//! for a scheduler in Python (FLARE's resource manager, `rankexec.flare.resources`).
+//!
 //! Platform code (memory files for blobs filled from Python) lives behind `os`;
 //! Python objects become contract values in `value`, for both halves.
 
 use pyo3::prelude::*;
 
+mod gpus;
 pub mod host;
 mod os;
 pub mod rank;
@@ -27,6 +31,7 @@ fn _rankexec(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     rank::register(m)?;
     host::register(m)?;
+    gpus::register(m)?;
     value::register(m)?;
     Ok(())
 }

@@ -11,9 +11,12 @@
 //!
 //! - [`host`]: host memory and CPU.
 //! - [`ledger`]: the reservation ledger.
+//! - [`site`]: GPUs reserved for a whole job by a site's scheduler (FLARE's resource
+//!   manager); a group inside such a grant (`RANKEXEC_GPU_GRANT`) does not count it.
 
 pub mod host;
 pub mod ledger;
+pub mod site;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -97,6 +100,8 @@ pub struct Admission {
     host: Arc<dyn HostProbe>,
     ledger: Ledger,
     seq: u64,
+    /// The ledger entry this group's job was granted (see [`site`]), if any.
+    grant: Option<String>,
 }
 
 fn text(b: u64) -> String {
@@ -104,7 +109,8 @@ fn text(b: u64) -> String {
 }
 
 impl Admission {
-    /// Admission with the real probes (NVML, sysinfo) and the user's ledger.
+    /// Admission with the real probes (NVML, sysinfo), the user's ledger, and the
+    /// site grant named by `RANKEXEC_GPU_GRANT`, if any.
     pub fn new(cfg: Arc<ExecutorConfig>) -> Self {
         Self::with_probes(
             cfg,
@@ -112,6 +118,18 @@ impl Admission {
             Arc::new(SysinfoHost::new()),
             Ledger::default_for_user(),
         )
+        .within_grant(
+            std::env::var(site::GRANT_ENV)
+                .ok()
+                .filter(|g| !g.is_empty()),
+        )
+    }
+
+    /// Runs the group inside a site grant: the ledger entry `grant` is not counted as
+    /// another executor's reservation.
+    pub fn within_grant(mut self, grant: Option<String>) -> Self {
+        self.grant = grant;
+        self
     }
 
     /// Admission with given probes and ledger.
@@ -127,6 +145,7 @@ impl Admission {
             host,
             ledger,
             seq: 0,
+            grant: None,
         }
     }
 
@@ -164,23 +183,13 @@ impl Admission {
         self.seq += 1;
         let seq = self.seq;
         let decide = |others: &[Entry]| -> Result<(Placement, Option<Entry>), Refusal> {
-            let mut reserved_gpu: BTreeMap<String, u64> = BTreeMap::new();
-            let mut reserved_host = 0u64;
-            for e in others {
-                let measured: u64 = e.rank_pids.iter().map(|p| host::rss(*p)).sum();
-                reserved_host += e.host.saturating_sub(measured);
-                for (uuid, bytes) in &e.gpu {
-                    let used: u64 = inventory
-                        .gpus()
-                        .iter()
-                        .filter(|g| &g.uuid == uuid)
-                        .flat_map(|g| g.processes.iter())
-                        .filter(|(pid, _)| e.rank_pids.contains(pid))
-                        .filter_map(|(_, u)| *u)
-                        .sum();
-                    *reserved_gpu.entry(uuid.clone()).or_default() += bytes.saturating_sub(used);
-                }
-            }
+            // A group inside its job's site grant draws on it: the grant is not "other".
+            let others: Vec<Entry> = others
+                .iter()
+                .filter(|e| self.grant.as_deref() != Some(e.id.as_str()))
+                .cloned()
+                .collect();
+            let (reserved_gpu, reserved_host) = site::outstanding(&inventory, &others);
             let req = PlacementRequest {
                 world,
                 gpu: &self.cfg.gpu,

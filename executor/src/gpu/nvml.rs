@@ -5,6 +5,9 @@
 //! denied, [`NvmlProbe`] reports [`Inventory::NoGpus`] with NVML's reason, and ranks run
 //! on CPUs (unless `require_gpu`). One `Nvml` handle is kept for the program's life.
 //!
+//! A site that declares its GPUs (`RANKEXEC_GPU_INVENTORY`, see
+//! [`super::inventory::parse_fixed`]) gets that inventory instead, and NVML is not loaded.
+//!
 //! NVML numbers GPUs in PCI bus order while CUDA defaults to "fastest first", so ranks
 //! are given UUIDs in `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER=PCI_BUS_ID`.
 
@@ -28,8 +31,11 @@ fn nvml() -> Result<&'static Nvml, String> {
 pub struct NvmlProbe;
 
 impl NvmlProbe {
-    /// The unrestricted inventory (every GPU NVML sees).
+    /// The unrestricted inventory (every GPU NVML sees, or the site's declared one).
     pub fn all(&self) -> Inventory {
+        if let Some(declared) = super::inventory::declared() {
+            return declared;
+        }
         let nvml = match nvml() {
             Ok(n) => n,
             Err(reason) => return Inventory::NoGpus { reason },
