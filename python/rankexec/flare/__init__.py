@@ -45,6 +45,7 @@ __all__ = [
     "pack_data",
     "to_blobs",
     "unpack_data",
+    "use_rank_groups",
 ]
 
 _LAZY = {
@@ -54,6 +55,7 @@ _LAZY = {
     "RankErrorLogger": "rankexec.flare.server",
     "ScriptExecutor": "rankexec.flare.script_executor",
     "ScriptRunner": "rankexec.flare.job",
+    "use_rank_groups": "rankexec.flare.recipe",
 }
 
 

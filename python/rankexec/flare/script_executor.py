@@ -130,6 +130,7 @@ class ScriptExecutor(MultiProcessExecutor):
         self._all_ranks_receive = bool(all_ranks_receive)
         self._site = ""
         self._job = ""
+        expected = self._server_expected_format
         super().__init__(
             num_of_processes=num_of_processes,
             rank_component="client_api_script",
@@ -146,7 +147,14 @@ class ScriptExecutor(MultiProcessExecutor):
             # not sent them at all (unless every rank receives), so a round wakes no
             # process that has nothing to do with it.
             result="rank0" if all_ranks_receive else "rank0_only",
+            # "pytorch": tensors on the wire, which this process decodes only with
+            # FLARE's TensorDecomposer, which the parent registers for it.
+            server_expected_format="pytorch"
+            if expected == ExchangeFormat.PYTORCH.value
+            else "numpy",
         )
+        # The parent stores its own reading under the same name: keep the script's.
+        self._server_expected_format = expected
         self._launcher = launcher
         self._deadlines = deadlines
         self._gpu = gpu

@@ -4,7 +4,8 @@ FLARE launches it with torchrun (``python -m nvflare.app_opt.pt.torchrun_node
 --nproc-per-node=2 custom/client.py --epochs 2``); rankexec's ``ScriptExecutor`` runs
 it unchanged. Rank 0 talks to FLARE; the other ranks get the task and the model
 through broadcasts, as FLARE's Client API gives them nothing (``is_running()`` is
-False and ``receive()`` None on ranks other than 0).
+False and ``receive()`` None on ranks other than 0). It answers FLARE's three Client
+API tasks: train, validate and submit_model (the last two are cross-site evaluation's).
 """
 
 import argparse
@@ -63,9 +64,13 @@ def main():
         order = torch.tensor([STOP, 0], dtype=torch.int64)
         if rank == 0 and flare.is_running():
             input_model = flare.receive()
-            model.load_state_dict({k: torch.as_tensor(v) for k, v in input_model.params.items()})
-            order[0] = TRAIN if flare.is_train() else EVALUATE if flare.is_evaluate() else SUBMIT
-            order[1] = input_model.current_round or 0
+            if flare.is_submit_model():  # cross-site evaluation asks for the local model
+                order[0] = SUBMIT
+            else:
+                params = input_model.params
+                model.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
+                order[0] = TRAIN if flare.is_train() else EVALUATE
+                order[1] = input_model.current_round or 0
         dist.broadcast(order, 0)
         task, current_round = order.tolist()
         if task == STOP:
