@@ -7,7 +7,8 @@
   exports a ``rankexec.flare.ScriptExecutor``. The two differ only in the client
   executor's ``path`` and ``args``; ``custom/client.py`` is the same file.
 
-Run from this folder: ``python job.py`` (then ``nvflare simulator jobs/rankexec -w WS -n
+(``recipe_job.py`` is the same job written with FLARE's Recipe API.) Run from this
+folder: ``python job.py`` (then ``nvflare simulator jobs/rankexec -w WS -n
 2 -t 2``).
 """
 

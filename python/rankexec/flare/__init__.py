@@ -3,6 +3,9 @@
 ``rankexec.flare.MultiProcessExecutor`` replaces FLARE's own MultiProcessExecutor in a
 client's ``config_fed_client.json``: one ``path`` changes. ``rankexec.flare.RankErrorLogger``
 is an optional server component that writes the ranks' errors into the server's log.
+``rankexec.flare.ScriptExecutor`` runs an unchanged Client API script as a rank group;
+``rankexec.flare.use_rank_groups(recipe, num_of_processes=N)`` makes a FLARE 2.9 recipe
+use it for every client script (``rankexec.flare.recipe``).
 
 A site that runs jobs without custom code must allow the classes:
 ``python -m rankexec.flare allow-list WORKSPACE`` adds ``rankexec.flare.MultiProcessExecutor``
