@@ -83,10 +83,12 @@ fn apply_env(cmd: &mut Command, plan: &LaunchPlan, extra: Option<&BTreeMap<Strin
         }
     }
     // Never pass on our own contract variables if this host is itself a rank (the log
-    // filter is not part of the contract: it reaches ranks).
+    // filter and the site's declared GPU inventory are not part of the contract: they
+    // reach ranks).
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy();
-        if (k.starts_with("RANKEXEC_") && k != "RANKEXEC_LOG") || k == vars::ERROR_FILE {
+        let site_setting = k == "RANKEXEC_LOG" || k == crate::gpu::INVENTORY_ENV;
+        if (k.starts_with("RANKEXEC_") && !site_setting) || k == vars::ERROR_FILE {
             cmd.env_remove(k.as_ref());
         }
     }

@@ -1,0 +1,363 @@
+"""rankexec as a FLARE site's one GPU authority, in a real FLARE deployment.
+
+A POC system (`nvflare poc prepare -n 1`, a free port, `nvflare poc start` without
+the admin console) whose site-1 declares 2 GPUs of 16 GiB and runs
+`rankexec.flare.resources.GpuResourceManager` (installed with `python -m
+rankexec.flare gpus`). Jobs are submitted through FLARE's admin API
+(`new_secure_session`); each runs 1 FedAvg round whose client is a rankexec
+MultiProcessExecutor with CPU ranks that record `CUDA_VISIBLE_DEVICES`, the grant and
+their start and end times. The server's scheduler may run 4 jobs at once and retries
+every second or two, so only the site's manager keeps the jobs apart.
+
+- Two jobs asking for 2 GPUs x 8 GiB each run one after the other, never together,
+  and each one's ranks get the 2 GPUs its grant names (their executor asks for 6 GiB a
+  rank, which fits only because a job's groups do not count their own grant).
+- A job asking for 3 GPUs is refused; the reason is in the admin API's job meta
+  (`schedule_history`).
+- Two jobs of 1 GPU each run together on different GPUs; killing one's job process
+  (SIGKILL) and aborting the other through the admin API frees both reservations.
+- `nvflare poc stop`, and no process of the deployment is left.
+
+The ledger is the real one, in a private XDG_RUNTIME_DIR given to the whole POC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rankexec import _rankexec
+
+from .flare_helpers import NVFLARE, client_config, rmtree, server_config
+
+PROJECT = "example_project"
+ADMIN = "admin@nvidia.com"
+SITE = "site-1"
+CAP_S = 240.0
+
+PROBE = r'''
+"""Records what the rank was given and when it ran (rankexec.flare resources test)."""
+import json
+import os
+import time
+from pathlib import Path
+
+import rankexec
+from rankexec.flare.arrays import ARRAYS_KEY, from_blobs
+
+
+class GpuProbe:
+    def __init__(self, out, name, hold_s=2.0):
+        self.path = Path(out) / f"{name}-rank{os.environ.get('RANK', '0')}.json"
+        self.hold_s = float(hold_s)
+        # The job process (FLARE's, which hosts the rank group) is the parent: what
+        # the site's consumer gave the job is in its environment.
+        job = dict(
+            kv.split(b"=", 1)
+            for kv in Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+            if b"=" in kv
+        )
+        self.record = {
+            "name": name,
+            "rank": int(os.environ.get("RANK", "0")),
+            "pid": os.getpid(),
+            "job_pid": os.getppid(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "inventory": os.environ.get("RANKEXEC_GPU_INVENTORY"),
+            "job_visible": job.get(b"CUDA_VISIBLE_DEVICES", b"").decode(),
+            "job_grant": job.get(b"RANKEXEC_GPU_GRANT", b"").decode(),
+            "start": time.time(),
+        }
+        self._write()
+
+    def _write(self):
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record))
+        os.replace(tmp, self.path)
+
+    def execute(self, task, input, ctx, abort):
+        aborted = abort.wait(self.hold_s)
+        self.record["end"] = time.time()
+        self._write()
+        if aborted:
+            raise rankexec.TaskAborted("aborted")
+        arrays = from_blobs(input.blobs, input.meta.get(ARRAYS_KEY))
+        return rankexec.Shareable(
+            meta={ARRAYS_KEY: input.meta.get(ARRAYS_KEY), "NUM_STEPS_CURRENT_ROUND": 1},
+            blobs=dict(arrays),
+        )
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def project_yml(port: int) -> str:
+    return f"""api_version: 3
+name: {PROJECT}
+description: rankexec GPU authority test
+participants:
+- name: server
+  type: server
+  org: nvidia
+  fed_learn_port: {port}
+  default_host: localhost
+- name: {ADMIN}
+  type: admin
+  org: nvidia
+  role: project_admin
+- name: {SITE}
+  type: client
+  org: nvidia
+builders:
+- path: nvflare.lighter.impl.workspace.WorkspaceBuilder
+  args:
+    template_file: [master_template.yml]
+- path: nvflare.lighter.impl.static_file.StaticFileBuilder
+  args:
+    config_folder: config
+- path: nvflare.lighter.impl.cert.CertBuilder
+- path: nvflare.lighter.impl.signature.SignatureBuilder
+"""
+
+
+def deployment_pids(ws: Path) -> list[int]:
+    """Live processes started for this POC: their environment names its workspace."""
+    needle = f"NVFLARE_POC_WORKSPACE={ws}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in env.split(b"\0"):
+            found.append(int(d.name))
+    return found
+
+
+def wait_for(cond, what: str, cap: float = CAP_S, step: float = 0.2):
+    deadline = time.monotonic() + cap
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {cap:g} s")
+        time.sleep(step)
+
+
+class Poc:
+    def __init__(self, root: Path, xdg: str) -> None:
+        self.ws = root / "poc"
+        self.xdg = xdg
+        self.env = dict(os.environ)
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env.get('PATH', '')}"
+        self.env["NVFLARE_POC_WORKSPACE"] = str(self.ws)
+        self.env["XDG_RUNTIME_DIR"] = xdg
+        for var in ("CUDA_VISIBLE_DEVICES", "RANKEXEC_GPU_INVENTORY", "RANKEXEC_GPU_GRANT"):
+            self.env.pop(var, None)
+        self.kit = self.ws / PROJECT / "prod_00"
+        self.log = open(root / "poc.out", "w")  # noqa: SIM115
+
+    def run(self, *args: str, cap: float = 120.0) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            args,
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            timeout=cap,
+            check=True,
+        )
+
+    def prepare(self) -> None:
+        yml = self.ws.parent / "project.yml"
+        yml.write_text(project_yml(free_port()))
+        self.run(str(NVFLARE), "poc", "prepare", "-i", str(yml), "--force")
+        site = self.kit / SITE
+        done = subprocess.run(
+            [sys.executable, "-m", "rankexec.flare", "gpus", str(site), "--inventory", "2x16GiB"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        self.log.write(done.stdout)
+        # The server may run 4 jobs at once and retries a refused job every 1-2 s.
+        server = self.kit / "server" / "local" / "resources.json"
+        doc = json.loads(server.read_text())
+        for c in doc["components"]:
+            if c["id"] == "job_scheduler":
+                c["args"].update(
+                    max_jobs=4,
+                    max_schedule_count=1000,
+                    min_schedule_interval=1.0,
+                    max_schedule_interval=2.0,
+                )
+        server.write_text(json.dumps(doc, indent=2))
+
+    def start(self) -> None:
+        self.run(str(NVFLARE), "poc", "start", "-ex", ADMIN, "--timeout", "90", cap=150.0)
+
+    def session(self):
+        from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+        return new_secure_session(ADMIN, str(self.kit / ADMIN), timeout=60.0)
+
+    def stop(self) -> list[int]:
+        """`nvflare poc stop`; then waits for every process of the deployment to end,
+        and SIGKILLs (by pid) what is left after 60 s. Returns what had to be killed."""
+        try:
+            self.run(str(NVFLARE), "poc", "stop", cap=120.0)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            self.log.write(f"poc stop: {e}\n")
+        deadline = time.monotonic() + 60.0
+        while deployment_pids(self.ws) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = deployment_pids(self.ws)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+        return left
+
+
+@pytest.fixture
+def poc(tmp_path, monkeypatch):
+    xdg = tempfile.mkdtemp(prefix="rxgpu")  # short: run directories hold sockets
+    monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)  # this process reads the same ledger
+    p = Poc(tmp_path, xdg)
+    p.prepare()
+    try:
+        p.start()
+    except BaseException:
+        p.stop()
+        rmtree(Path(xdg))
+        raise
+    yield p
+    left = p.stop()
+    rmtree(Path(xdg))
+    assert not left, f"processes of the POC were still alive after poc stop: {left}"
+
+
+def gpu_job(root: Path, name: str, out: Path, num_gpus: int, hold_s: float) -> str:
+    executor = {
+        "num_of_processes": min(num_gpus, 2),
+        "rank_component": "custom/gpu_probe.py:GpuProbe",
+        "rank_args": {"out": str(out), "name": name, "hold_s": hold_s},
+        "gpu": {"mode": "per_rank"},
+        "resources": {"gpu_memory": "6GiB"},
+    }
+    job = root / name
+    app = job / "app"
+    (app / "config").mkdir(parents=True)
+    (app / "custom").mkdir()
+    (app / "custom" / "gpu_probe.py").write_text(PROBE)
+    (app / "config" / "config_fed_server.json").write_text(
+        json.dumps(server_config(num_rounds=1, min_clients=1, error_logger=False))
+    )
+    (app / "config" / "config_fed_client.json").write_text(json.dumps(client_config(executor)))
+    meta = {
+        "name": name,
+        "resource_spec": {SITE: {"num_of_gpus": num_gpus, "mem_per_gpu_in_GiB": 8}},
+        "deploy_map": {"app": ["@ALL"]},
+        "min_clients": 1,
+    }
+    (job / "meta.json").write_text(json.dumps(meta))
+    return str(job)
+
+
+def records(out: Path, name: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-rank*.json"))]
+
+
+def flare_grants() -> list[dict]:
+    return [e for e in json.loads(_rankexec._gpu_ledger()) if e["id"].startswith("flare/")]
+
+
+def status(sess, job_id: str) -> str:
+    return str(sess.get_job_meta(job_id).get("status", ""))
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_one_gpu_authority_in_a_poc_deployment(poc, tmp_path):
+    out = tmp_path / "records"
+    out.mkdir()
+    jobs = tmp_path / "jobs"
+    sess = poc.session()
+    try:
+        # Two jobs of 2 GPUs x 8 GiB on a site of 2 x 16 GiB, and one of 3 GPUs.
+        a = sess.submit_job(gpu_job(jobs, "gpu-a", out, 2, hold_s=3.0))
+        b = sess.submit_job(gpu_job(jobs, "gpu-b", out, 2, hold_s=3.0))
+        c = sess.submit_job(gpu_job(jobs, "gpu-c", out, 3, hold_s=3.0))
+        for j in (a, b):
+            wait_for(lambda j=j: status(sess, j).startswith("FINISHED"), f"job {j} finishes")
+        assert status(sess, a) == "FINISHED:COMPLETED", sess.get_job_meta(a)
+        assert status(sess, b) == "FINISHED:COMPLETED", sess.get_job_meta(b)
+        span = {}
+        for name, job_id in (("gpu-a", a), ("gpu-b", b)):
+            recs = records(out, name)
+            assert len(recs) == 2, recs
+            # The job got the grant's GPUs; rankexec gave each rank one of them.
+            assert {r["job_visible"] for r in recs} == {"0,1"}, recs
+            assert sorted(r["visible"] for r in recs) == ["0", "1"], recs
+            assert {r["inventory"] for r in recs} == {"2x16GiB"}, recs
+            grants = {r["job_grant"] for r in recs}
+            assert len(grants) == 1 and grants.pop().startswith(f"flare/{SITE}/{job_id}/"), recs
+            span[name] = (min(r["start"] for r in recs), max(r["end"] for r in recs))
+        print("ranks ran (epoch s):", span)
+        (a0, a1), (b0, b1) = span["gpu-a"], span["gpu-b"]
+        assert a1 <= b0 or b1 <= a0, f"the two 2-GPU jobs overlapped: {span}"
+        assert not records(out, "gpu-c")
+
+        meta_c = sess.get_job_meta(c)
+        history = meta_c.get("schedule_history", [])
+        print("gpu-c:", meta_c.get("status"), history[-1] if history else None)
+        assert str(meta_c.get("status")) == "SUBMITTED", meta_c
+        assert any(
+            f"{SITE}: rankexec GPU authority: the job asks for 3 GPUs; this site has 2 "
+            "(GPU 0, GPU 1) (it can never run on this site)" in h
+            for h in history
+        ), history
+        sess.delete_job(c)
+
+        # Two jobs of 1 GPU run together on different GPUs; both end badly and free them.
+        d = sess.submit_job(gpu_job(jobs, "gpu-d", out, 1, hold_s=600.0))
+        e = sess.submit_job(gpu_job(jobs, "gpu-e", out, 1, hold_s=600.0))
+        wait_for(lambda: records(out, "gpu-d") and records(out, "gpu-e"), "gpu-d and gpu-e start")
+        (rd,), (re_,) = records(out, "gpu-d"), records(out, "gpu-e")
+        assert {rd["visible"], re_["visible"]} == {"0", "1"}, (rd, re_)
+        held = flare_grants()
+        assert sorted(g["id"].split("/")[2] for g in held) == sorted([d, e]), held
+        os.kill(rd["job_pid"], signal.SIGKILL)
+        sess.abort_job(e)
+        wait_for(lambda: not flare_grants(), "both grants are freed")
+        wait_for(lambda: not alive(rd["pid"]) and not alive(re_["pid"]), "their ranks end")
+        wait_for(lambda: status(sess, d).startswith("FINISHED"), "gpu-d is finished")
+        wait_for(lambda: status(sess, e).startswith("FINISHED"), "gpu-e is finished")
+        print("gpu-d (job process killed):", status(sess, d), "gpu-e (aborted):", status(sess, e))
+    finally:
+        sess.close()
