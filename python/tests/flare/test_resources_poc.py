@@ -16,6 +16,7 @@ every second or two, so only the site's manager keeps the jobs apart.
   (`schedule_history`).
 - Two jobs of 1 GPU each run together on different GPUs; killing one's job process
   (SIGKILL) and aborting the other through the admin API frees both reservations.
+- The admin API's `report_resources` shows the site's inventory and ledger.
 - `nvflare poc stop`, and no process of the deployment is left.
 
 The ledger is the real one, in a private XDG_RUNTIME_DIR given to the whole POC.
@@ -23,6 +24,7 @@ The ledger is the real one, in a private XDG_RUNTIME_DIR given to the whole POC.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -352,6 +354,13 @@ def test_one_gpu_authority_in_a_poc_deployment(poc, tmp_path):
         assert {rd["visible"], re_["visible"]} == {"0", "1"}, (rd, re_)
         held = flare_grants()
         assert sorted(g["id"].split("/")[2] for g in held) == sorted([d, e]), held
+        # The admin API's report_resources is the site manager's report (FLARE's table
+        # cell is the dict's repr): its inventory and the host's ledger.
+        report = ast.literal_eval(sess.report_resources("client", [SITE])[SITE])
+        assert sorted(g["id"] for g in report["ledger"] if g["id"].startswith("flare/")) == sorted(
+            g["id"] for g in held
+        ), report
+        assert [g["memory_total"] for g in report["inventory"]["gpus"]] == [16 << 30] * 2
         os.kill(rd["job_pid"], signal.SIGKILL)
         sess.abort_job(e)
         wait_for(lambda: not flare_grants(), "both grants are freed")
