@@ -26,11 +26,11 @@ __all__ = [
     "ValueBoundsError",
     "_GpuReservation",
     "_HostGroup",
+    "__version__",
     "_gpu_inventory",
     "_gpu_ledger",
     "_parse_gpu_inventory",
     "_reserve_gpus",
-    "__version__",
     "start",
     "worker_cli",
 ]

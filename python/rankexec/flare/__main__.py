@@ -1,18 +1,28 @@
 """A FLARE site's two set-up steps for rankexec.
 
-``python -m rankexec.flare allow-list WORKSPACE``: FLARE 2.9 builds, for jobs that ship
-no custom code, only the classes in ``class_allow_list`` of the site's
-``local/resources.json`` (FLARE's 88 defaults when the key is absent). This adds the
-two classes this package documents, ``rankexec.flare.MultiProcessExecutor`` and
+``python -m rankexec.flare allow-list WORKSPACE [--dry-run]``: FLARE 2.9 builds, for
+jobs that ship no custom code, only the classes in ``class_allow_list`` of the site's
+resources file (FLARE's 88 defaults when the key is absent). This adds the two classes
+this package documents, ``rankexec.flare.MultiProcessExecutor`` and
 ``rankexec.flare.RankErrorLogger`` (not the whole ``rankexec.`` prefix, which an
-earlier version added and this removes), starting from FLARE's defaults when the file
-has none, and keeps everything else in the file.
+earlier version added and this removes), to the file FLARE actually reads: it starts
+from ``local/resources.json`` if present, else from a provisioned kit's
+``local/resources.json.default``, keeps every other key (``resource_manager``,
+``process_launcher``, ...), writes ``local/resources.json`` atomically with a backup of
+the file it replaces, and prints the change as a diff (``--dry-run``: prints it, writes
+nothing). A file that does not parse is refused, untouched (``rankexec.flare.site``).
 
 ``python -m rankexec.flare policy WORKSPACE [--component C]... [--worker PROGRAM]...
 [--launcher L]... [--env NAME]... [--byoc-jobs trusted|restricted] [--force]``: writes
 the site's policy, ``WORKSPACE/local/rankexec.json`` (see ``rankexec.flare.policy``):
 what a job without custom code may make the executor run. It refuses to replace an
 existing file without ``--force``.
+
+``python -m rankexec.flare gpus WORKSPACE [--inventory 2x16GiB] [--dry-run]``: makes
+rankexec the site's one GPU authority: sets ``resource_manager`` and
+``resource_consumer`` in the resources file FLARE reads to
+``rankexec.flare.resources.GpuResourceManager`` / ``GpuResourceConsumer`` (the same
+edit rules as ``allow-list``; see ``rankexec.flare.resources``).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import sys
 
 from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
-from rankexec.flare import policy
+from rankexec.flare import policy, resources, site
 
 CLASSES = ("rankexec.flare.MultiProcessExecutor", "rankexec.flare.RankErrorLogger")
 OLD_PREFIX = "rankexec."
@@ -38,23 +48,20 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def allow(workspace: str) -> str:
-    """Adds rankexec's classes to ``WORKSPACE/local/resources.json``; returns its path."""
-    local = os.path.join(workspace, "local")
-    os.makedirs(local, exist_ok=True)
-    path = os.path.join(local, "resources.json")
-    resources: dict = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            resources = json.load(f)
+def _add_classes(doc: dict) -> None:
     allow_list = [
-        x for x in resources.get("class_allow_list", DEFAULT_CLASS_ALLOW_LIST) if x != OLD_PREFIX
+        x for x in doc.get("class_allow_list", DEFAULT_CLASS_ALLOW_LIST) if x != OLD_PREFIX
     ]
     if "*" not in allow_list:
         allow_list.extend(c for c in CLASSES if c not in allow_list)
-    resources["class_allow_list"] = allow_list
-    _write_json(path, resources)
-    return path
+    doc["class_allow_list"] = allow_list
+
+
+def allow(workspace: str, dry_run: bool = False) -> site.ResourcesEdit:
+    """Adds rankexec's classes to the ``class_allow_list`` of the resources file FLARE
+    reads for the site at ``workspace`` (``rankexec.flare.site.edit_resources``: every
+    other key kept, an atomic write, a backup)."""
+    return site.edit_resources(workspace, _add_classes, dry_run=dry_run)
 
 
 def write_policy(workspace: str, force: bool = False, **keys) -> str:
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("allow-list", help="add rankexec's classes to class_allow_list")
     a.add_argument("workspace")
+    a.add_argument("--dry-run", action="store_true", help="print the change, write nothing")
     w = sub.add_parser("policy", help="write the site policy WORKSPACE/local/rankexec.json")
     w.add_argument("workspace")
     w.add_argument("--component", action="append", default=[], help="allowed rank component")
@@ -82,9 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--env", action="append", default=[], help="variable a job may set")
     w.add_argument("--byoc-jobs", choices=["trusted", "restricted"], default="trusted")
     w.add_argument("--force", action="store_true", help="replace an existing file")
+    resources.add_cli(sub)
     args = p.parse_args(argv)
+    if args.cmd == "gpus":
+        return resources.cli(args)
     if args.cmd == "allow-list":
-        print(allow(args.workspace))
+        try:
+            edit = allow(args.workspace, dry_run=args.dry_run)
+        except site.SiteFileError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        sys.stdout.write(edit.describe())
         return 0
     try:
         path = write_policy(

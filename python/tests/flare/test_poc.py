@@ -1,0 +1,264 @@
+"""rankexec on a real FLARE deployment: `nvflare poc prepare` (a provisioned kit with
+certificates, `resources.json.default`, its own resource manager and job launcher),
+`nvflare poc start` (server and two clients as separate processes), jobs submitted,
+aborted and watched through FLARE's admin API (`nvflare.fuel.flare_api`).
+
+The site steps are the README's: `python -m rankexec.flare allow-list` on the server and
+both clients, and `python -m rankexec.flare policy` that allows the one rank component
+installed on the sites. Then, on the same deployment, in order:
+
+- a job of FLARE's own (NPTrainer, no rankexec) runs: the site steps broke nothing;
+- `examples/flare/numpy-fedavg` as a job without custom code, under the site policy;
+- the Client API example (`examples/flare/client-api/jobs/rankexec`: `ScriptExecutor`,
+  2 ranks per site, torch DDP);
+- an abort from the admin API while the ranks train: `FINISHED:ABORTED`, every rank
+  gone, and the next job runs;
+- a SIGKILL of a client's job process mid-round: its ranks are gone, and the client runs
+  the next job;
+- two jobs at once on the same sites.
+
+Finally `nvflare poc stop` and nothing of the deployment is left (`Poc.stop` returns
+what it had to kill).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .flare_helpers import REPO, rank_pids, wait_until
+from .poc import Poc, numpy_job_without_custom_code
+
+JOB_CAP_S = float(os.environ.get("RANKEXEC_POC_JOB_CAP", "240"))
+CLIENT_API = REPO / "examples" / "flare" / "client-api" / "jobs" / "rankexec"
+
+
+def flare_own_job(root: Path, rounds: int = 2) -> Path:
+    """FLARE's hello-numpy-sag: only FLARE's classes, no custom code."""
+    job = root / "hello-numpy-sag"
+    cfg = job / "app" / "config"
+    cfg.mkdir(parents=True)
+    server = {
+        "format_version": 2,
+        "task_data_filters": [],
+        "task_result_filters": [],
+        "components": [
+            {
+                "id": "persistor",
+                "path": "nvflare.app_common.np.np_model_persistor.NPModelPersistor",
+                "args": {},
+            },
+            {
+                "id": "shareable_generator",
+                "path": "nvflare.app_common.shareablegenerators."
+                "full_model_shareable_generator.FullModelShareableGenerator",
+                "args": {},
+            },
+            {
+                "id": "aggregator",
+                "path": "nvflare.app_common.aggregators.intime_accumulate_model_aggregator."
+                "InTimeAccumulateWeightedAggregator",
+                "args": {"expected_data_kind": "WEIGHTS"},
+            },
+        ],
+        "workflows": [
+            {
+                "id": "scatter_and_gather",
+                "path": "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather",
+                "args": {
+                    "min_clients": 2,
+                    "num_rounds": rounds,
+                    "wait_time_after_min_received": 0,
+                    "aggregator_id": "aggregator",
+                    "persistor_id": "persistor",
+                    "shareable_generator_id": "shareable_generator",
+                    "train_task_name": "train",
+                    "train_timeout": 0,
+                },
+            }
+        ],
+    }
+    client = {
+        "format_version": 2,
+        "executors": [
+            {
+                "tasks": ["train"],
+                "executor": {"path": "nvflare.app_common.np.np_trainer.NPTrainer", "args": {}},
+            }
+        ],
+        "task_result_filters": [],
+        "task_data_filters": [],
+        "components": [],
+    }
+    (cfg / "config_fed_server.json").write_text(json.dumps(server, indent=2))
+    (cfg / "config_fed_client.json").write_text(json.dumps(client, indent=2))
+    meta = {"name": "hello-numpy-sag", "resource_spec": {}, "deploy_map": {"app": ["@ALL"]}}
+    (job / "meta.json").write_text(json.dumps(meta, indent=2))
+    return job
+
+
+def long_client_api_job(root: Path, rounds: int = 50, epochs: int = 40) -> Path:
+    """The Client API example with rounds long enough to be interrupted mid-training."""
+    job = root / "client-api-long"
+    shutil.copytree(CLIENT_API, job)
+    server_cfg = job / "app_server" / "config" / "config_fed_server.json"
+    server = json.loads(server_cfg.read_text())
+    server["workflows"][0]["args"]["num_rounds"] = rounds
+    server_cfg.write_text(json.dumps(server, indent=2))
+    for site in ("app_site-1", "app_site-2"):
+        cfg = job / site / "config" / "config_fed_client.json"
+        client = json.loads(cfg.read_text())
+        client["executors"][0]["executor"]["args"]["script_args"] = f"--epochs {epochs}"
+        cfg.write_text(json.dumps(client, indent=2))
+    return job
+
+
+def rank_log_says(poc: Poc, job_id: str, site: str, text: str) -> bool:
+    for log in (poc.job_dir(site, job_id)).rglob("rankexec/rank-0/stdout.log"):
+        if text in log.read_text(errors="replace"):
+            return True
+    return False
+
+
+def job_rank_pids(poc: Poc, job_id: str, site: str | None = None) -> list[int]:
+    where = poc.job_dir(site, job_id) if site else poc.ws
+    return [p for p in rank_pids(where) if job_id in _log_dir(p)]
+
+
+def _log_dir(pid: int) -> str:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return ""
+    for var in env.split(b"\0"):
+        if var.startswith(b"RANKEXEC_LOG_DIR="):
+            return var.decode(errors="replace")
+    return ""
+
+
+def assert_completed(poc: Poc, job_id: str, meta: dict) -> None:
+    assert meta.get("status") == "FINISHED:COMPLETED", json.dumps(meta, indent=1)[:3000]
+    bad = {k: v for k, v in poc.error_logs(job_id).items() if v.strip()}
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+
+
+@pytest.fixture(scope="module")
+def poc(tmp_path_factory):
+    root = tmp_path_factory.mktemp("poc")
+    d = Poc(root)
+    d.prepare()
+    # The site's own rank code, installed by the site (not shipped by jobs).
+    code = root / "site-code"
+    code.mkdir()
+    shutil.copy(REPO / "examples/flare/numpy-fedavg/app/custom/np_delta.py", code)
+    d.component = code / "np_delta.py"
+    for site in ("server", *d.sites):
+        r = d.site_step("allow-list", str(d.site(site)))
+        assert r.returncode == 0, r.stderr
+        print(r.stdout)
+    for site in d.sites:
+        r = d.site_step("policy", str(d.site(site)), "--component", f"{d.component}:AddDelta")
+        assert r.returncode == 0, r.stderr
+    d.start()
+    yield d
+    left = d.stop()
+    assert not left, f"nvflare poc stop left these processes behind: {left}"
+    assert not rank_pids(d.ws)
+
+
+def test_a_job_of_flares_own_runs_after_the_site_steps(poc, tmp_path):
+    for site in ("server", *poc.sites):
+        resources = json.loads((poc.site(site) / "local" / "resources.json").read_text())
+        default = json.loads((poc.site(site) / "local" / "resources.json.default").read_text())
+        assert set(default) <= set(resources), site
+        assert "rankexec.flare.MultiProcessExecutor" in resources["class_allow_list"]
+    job_id = poc.submit(flare_own_job(tmp_path))
+    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
+    assert_completed(poc, job_id, meta)
+
+
+def test_numpy_fedavg_without_custom_code_under_the_site_policy(poc, tmp_path):
+    job_id = poc.submit(numpy_job_without_custom_code(tmp_path, poc.component, rounds=3))
+    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
+    assert not meta.get("byoc"), meta  # FLARE records "byoc": true only for custom code
+    assert_completed(poc, job_id, meta)
+    result = Path(poc.session().download_job_result(job_id, str(tmp_path / "result")))
+    models = list(result.rglob("server.npy"))
+    assert models, f"no server.npy in the job's result {result}"
+    # NPModelPersistor starts from [[1,2,3],[4,5,6],[7,8,9]]; each round adds delta 1.0.
+    initial = np.arange(1, 10, dtype=np.float32).reshape(3, 3)
+    np.testing.assert_allclose(np.load(models[0]), initial + 3.0)
+    assert not job_rank_pids(poc, job_id)
+
+
+def test_the_client_api_example_with_script_executor(poc):
+    job_id = poc.submit(CLIENT_API)
+    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
+    assert_completed(poc, job_id, meta)
+    for site in poc.sites:
+        assert rank_log_says(poc, job_id, site, f"{site} round 2:"), site
+    assert wait_until(lambda: not job_rank_pids(poc, job_id), 30, step=0.1)
+
+
+def test_an_admin_abort_while_the_ranks_train(poc, tmp_path):
+    job_id = poc.submit(long_client_api_job(tmp_path))
+    assert wait_until(
+        lambda: all(rank_log_says(poc, job_id, s, "round 0:") for s in poc.sites),
+        JOB_CAP_S,
+        step=0.2,
+    ), poc.meta(job_id)
+    pids = job_rank_pids(poc, job_id)
+    assert len(pids) == 4, pids  # 2 sites x 2 ranks, training
+    t0 = time.monotonic()
+    poc.session().abort_job(job_id)
+    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
+    assert meta.get("status") == "FINISHED:ABORTED", meta
+    gone = wait_until(lambda: not job_rank_pids(poc, job_id), 60, step=0.05)
+    print(f"admin abort -> every rank gone: {time.monotonic() - t0:.2f} s (pids {pids})")
+    assert gone, f"ranks still alive after the abort: {job_rank_pids(poc, job_id)}"
+    # The same sites run the next job.
+    nxt = poc.submit(numpy_job_without_custom_code(tmp_path, poc.component, rounds=1))
+    assert_completed(poc, nxt, poc.wait_status(nxt, "FINISHED", JOB_CAP_S))
+
+
+def test_a_killed_job_process_takes_its_ranks_with_it(poc, tmp_path):
+    job_id = poc.submit(long_client_api_job(tmp_path))
+    assert wait_until(lambda: rank_log_says(poc, job_id, "site-1", "round 0:"), JOB_CAP_S, 0.2)
+    ranks = job_rank_pids(poc, job_id, "site-1")
+    assert len(ranks) == 2, ranks
+    procs = poc.job_processes(job_id)
+    victims = [p for p in procs if str(poc.site("site-1")).encode() in _cmdline(p)]
+    assert len(victims) == 1, (procs, victims)
+    t0 = time.monotonic()
+    os.kill(victims[0], signal.SIGKILL)
+    gone = wait_until(lambda: not job_rank_pids(poc, job_id, "site-1"), 30, step=0.01)
+    print(f"client job process SIGKILLed -> its ranks gone: {time.monotonic() - t0:.3f} s")
+    assert gone, f"site-1's ranks outlived their job process: {ranks}"
+    poc.session().abort_job(job_id)  # site-1 will never answer: end the job
+    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
+    assert str(meta.get("status", "")).startswith("FINISHED"), meta
+    assert wait_until(lambda: not job_rank_pids(poc, job_id), 60, step=0.1)
+    nxt = poc.submit(numpy_job_without_custom_code(tmp_path, poc.component, rounds=1))
+    assert_completed(poc, nxt, poc.wait_status(nxt, "FINISHED", JOB_CAP_S))
+
+
+def test_two_jobs_at_once_on_the_same_sites(poc, tmp_path):
+    a = poc.submit(numpy_job_without_custom_code(tmp_path / "a", poc.component, rounds=3))
+    b = poc.submit(numpy_job_without_custom_code(tmp_path / "b", poc.component, rounds=3))
+    for job_id in (a, b):
+        assert_completed(poc, job_id, poc.wait_status(job_id, "FINISHED", JOB_CAP_S))
+    assert not job_rank_pids(poc, a) and not job_rank_pids(poc, b)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
