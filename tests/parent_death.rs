@@ -63,16 +63,17 @@ fn kill_host_and_time(mut host: std::process::Child, pids: &[u32]) -> Duration {
     }
 }
 
-/// One `Sleep` rank started by a command launcher (`env`): the rank is not our child and
-/// is told no parent pid, so no `PR_SET_PDEATHSIG`; only its connections closing can
-/// tell it the host is gone.
+/// One `Sleep` rank started by a command launcher (`sh`, which runs it as its child): the
+/// rank is not our child and is told no parent pid, so no `PR_SET_PDEATHSIG` (the
+/// launcher's, `SIGTERM`, is not inherited by a forked child); only its connections
+/// closing can tell it the host is gone.
 fn eof_only_config(dir: &Path) -> PathBuf {
     let cfg = serde_json::json!({
         "executor_id": "e",
         "num_of_processes": 1,
         "components": [{"id": "e", "path": "Sleep", "args": {"secs": 120}}],
         "worker": {"program": worker_bin()},
-        "launcher": {"command": {"argv": ["env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
+        "launcher": {"command": {"argv": ["sh", "-c", "\"$@\"; exit $?", "sh", "env", "RANK=0", "WORLD_SIZE=1", "{program}", "{args}"], "rank_source": "torchrun"}}
     });
     let path = dir.join("cfg.json");
     std::fs::write(&path, cfg.to_string()).unwrap();
@@ -102,7 +103,7 @@ fn ranks_die_with_the_host_by_end_of_file_alone() {
     let dir = tempfile::tempdir().unwrap();
     let path = eof_only_config(dir.path());
     let (host, pids, _) = spawn_host(&["--config", path.to_str().unwrap()]);
-    assert_eq!(pids.len(), 1);
+    assert_eq!(pids.len(), 2, "the launcher and its rank");
     let took = kill_host_and_time(host, &pids);
     eprintln!(
         "rank gone {:.1} ms after SIGKILL of the host (EOF only)",

@@ -303,13 +303,12 @@ fn a_rank_killed_under_srun_is_reported_with_its_rank() {
     exec.finalize().unwrap();
 }
 
-#[test]
-fn a_sigkilled_host_leaves_no_step_under_srun() {
-    let conf = slurm_or_skip!();
-    let _serial = serial();
-    let logs = tempfile::tempdir().unwrap();
-    let cfg = srun_config(&conf, logs.path(), "Sleep");
-    let cfg_path = logs.path().join("cfg.json");
+/// A `rankexec run` host of `cfg` (its task sleeps 120 s) and the pids it printed once
+/// its group was ready (srun's and its ranks').
+fn spawn_host(cfg: &ExecutorConfig, dir: &Path) -> (std::process::Child, Vec<u32>) {
+    let mut cfg = cfg.clone();
+    cfg.components[0].args = serde_json::json!({"secs": 120});
+    let cfg_path = dir.join("cfg.json");
     std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
     let mut host = Command::new(rankexec_bin())
         .args(["run", "--task", "t", "--print-pids", "--config"])
@@ -331,10 +330,61 @@ fn a_sigkilled_host_leaves_no_step_under_srun() {
         .filter_map(|p| p.parse().ok())
         .collect();
     assert!(!pids.is_empty(), "pids: {pids_line}");
+    (host, pids)
+}
+
+#[test]
+fn a_sigkilled_host_leaves_no_step_under_srun() {
+    let conf = slurm_or_skip!();
+    let _serial = serial();
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = srun_config(&conf, logs.path(), "Sleep");
+    let (mut host, pids) = spawn_host(&cfg, logs.path());
     assert_eq!(steps(&conf).len(), 1, "one step runs");
     kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
     let _ = host.wait();
     assert_gone_under_slurm(&pids, "ranks and srun after the host's SIGKILL");
     assert_no_step_left(&conf, "SIGKILL of the host");
     eprintln!("host SIGKILLed under srun: {pids:?} gone; no step, no slurmstepd");
+}
+
+/// The host is SIGKILLed while every core is busy (busy processes this test starts
+/// and reaps): the ranks leave by their connections' end of file, without waiting for
+/// Slurm to end their step, and srun leaves on the kernel's `SIGTERM` (it cancels its
+/// step). The figures are printed, not asserted (BENCHMARKS.md).
+#[test]
+fn ranks_leave_a_sigkilled_host_on_a_busy_machine_under_srun() {
+    let conf = slurm_or_skip!();
+    let _serial = serial();
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = srun_config(&conf, logs.path(), "Sleep");
+    let (mut host, pids) = spawn_host(&cfg, logs.path());
+    let worker = std::fs::canonicalize(worker_bin()).unwrap();
+    let (ranks, srun): (Vec<u32>, Vec<u32>) = pids
+        .iter()
+        .copied()
+        .partition(|p| std::fs::read_link(format!("/proc/{p}/exe")).is_ok_and(|exe| exe == worker));
+    assert_eq!(ranks.len(), 2, "two ranks among {pids:?}");
+    let hogs = Hogs::start();
+    let t = Instant::now();
+    kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
+    let _ = host.wait();
+    if let Err(alive) = wait_gone(&ranks, Duration::from_secs(10)) {
+        for p in &alive {
+            let _ = kill(Pid::from_raw(*p as i32), Sig::SIGKILL);
+        }
+        panic!("ranks {alive:?} outlived their SIGKILLed host by 10 s under srun");
+    }
+    let ranks_took = t.elapsed();
+    assert_gone_under_slurm(&srun, "srun after the host's SIGKILL");
+    let srun_took = t.elapsed();
+    let busy = hogs.count();
+    drop(hogs);
+    assert_no_step_left(&conf, "SIGKILL of the host on a busy machine");
+    eprintln!(
+        "srun, host SIGKILLed with {busy} busy processes: ranks {ranks:?} gone in {:.1} ms, \
+         srun {srun:?} in {:.1} ms; no step left",
+        ranks_took.as_secs_f64() * 1e3,
+        srun_took.as_secs_f64() * 1e3
+    );
 }

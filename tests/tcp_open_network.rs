@@ -1,7 +1,8 @@
 //! TCP on an open network: anyone who can reach the port can connect. A peer that
-//! connects and never authenticates holds a handshake slot only briefly (a short
-//! pre-authentication deadline) and one source address can hold at most half of the
-//! slots, so a flood from another host never keeps real ranks out.
+//! connects and never authenticates holds nothing a rank needs (no handshake slot: it
+//! waits with its descriptor alone) and is closed after a short pre-authentication
+//! deadline, so a flood from another host never keeps real ranks out (a flood from the
+//! ranks' own address: `tests/startup_flood.rs`).
 
 mod common;
 
@@ -177,10 +178,9 @@ fn start_under_flood(n: usize, from: Ipv4Addr, keep_up: bool, startup: Duration,
     );
 }
 
-/// 70 silent connections, kept up for the whole start-up from another address, fill
-/// every handshake slot a 2-rank group had on main (3 x 2 + 64): start-up failed
-/// ("ranks not connected: 0 (0/3 channels), 1 (0/3 channels)"). One source now holds
-/// at most half of the slots.
+/// 70 silent connections, kept up for the whole start-up from another address, filled
+/// every handshake slot a 2-rank group once had (3 x 2 + 64): start-up failed ("ranks
+/// not connected: 0 (0/3 channels), 1 (0/3 channels)"). There is no such pool now.
 #[test]
 fn a_flood_from_another_host_does_not_keep_ranks_out() {
     start_under_flood(
@@ -192,11 +192,11 @@ fn a_flood_from_another_host_does_not_keep_ranks_out() {
     );
 }
 
-/// 70 silent connections from the ranks' own address, made once: on main they held
-/// every slot for the whole handshake deadline (min(startup, 10 s)), as long as the
-/// ranks dial, and start-up failed with "exec channel handshake failed: handshake
-/// transport: connection closed". A TCP peer now has `PRE_AUTH_TCP` (3 s) to prove
-/// itself, so the slots come back while the ranks still retry.
+/// 70 silent connections from the ranks' own address, made once: they once held every
+/// slot for the whole handshake deadline (min(startup, 10 s)), as long as the ranks
+/// dial, and start-up failed with "exec channel handshake failed: handshake transport:
+/// connection closed". They wait beside the ranks now, and a TCP peer has
+/// `PRE_AUTH_TCP` (3 s) to prove itself before it is closed.
 #[test]
 fn silent_connections_give_their_slots_back_quickly() {
     start_under_flood(

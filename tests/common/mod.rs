@@ -300,3 +300,67 @@ impl Drop for Reaper {
         }
     }
 }
+
+/// Busy processes that keep every core saturated; killed and reaped on drop.
+pub struct Hogs(Vec<std::process::Child>);
+
+impl Hogs {
+    /// Two per core, plus one, each a shell spinning in a loop.
+    pub fn start() -> Hogs {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let hogs = Hogs(
+            (0..2 * cores + 1)
+                .map(|_| {
+                    std::process::Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .stdin(std::process::Stdio::null())
+                        .spawn()
+                        .expect("a busy process starts")
+                })
+                .collect(),
+        );
+        // Busy for real before the kill: each has run on a CPU for a while.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for h in &hogs.0 {
+            while cpu_ticks(h.id()) < 5 {
+                assert!(
+                    Instant::now() < deadline,
+                    "busy process {} never ran",
+                    h.id()
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        hogs
+    }
+
+    /// How many there are.
+    pub fn count(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl Drop for Hogs {
+    fn drop(&mut self) {
+        for h in &mut self.0 {
+            let _ = h.kill();
+            let _ = h.wait();
+        }
+    }
+}
+
+/// User plus system clock ticks `pid` has run for.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    let Some(i) = stat.rfind(')') else { return 0 };
+    let f: Vec<&str> = stat[i + 2..].split(' ').collect();
+    // Fields 14 and 15 of stat(5), counted from the state (field 3).
+    let tick = |n: usize| {
+        f.get(n - 3)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    tick(14) + tick(15)
+}

@@ -13,7 +13,11 @@
 //! kernel gives for its connection (`SO_PEERCRED`, see `session::accept`), held by a
 //! pidfd, and teardown signals it and its own process group too: torchrun (2.x) starts
 //! every worker in a session of its own, so a signal to torchrun's group misses them.
-//! Ranks over TCP are never signalled: only `Close` and their launcher end them.
+//! Ranks over TCP are never signalled: only `Close` and their launcher end them. The
+//! launcher gets `SIGTERM` from the kernel when the dispatcher thread (the executor)
+//! dies (`PR_SET_PDEATHSIG`), so a `SIGKILL`ed host takes srun's step, torchrun and
+//! mpirun with it at once; the ranks themselves leave by their connections' end of
+//! file, whoever launched them.
 //!
 //! **Tracking from the start**: a pidfd is opened for every process we spawn before its
 //! `Child` is dropped. If that fails (out of descriptors), the child is killed and
@@ -269,6 +273,10 @@ pub(crate) fn launch(
                 .process_group(0);
             apply_env(&mut cmd, plan, None);
             crate::os::reset_signals_on_exec(&mut cmd);
+            // The launcher is not a rank: the kernel tells it of our death (SIGTERM), or
+            // it would keep its step and its workers' supervision until their exit
+            // reached it (the ranks leave by their connections' end of file).
+            crate::os::term_with_parent_on_exec(&mut cmd);
             let mut child = cmd
                 .spawn()
                 .map_err(|e| spawn_error("the launcher".into(), Path::new(prog), e))?;

@@ -16,6 +16,7 @@
 //!   blocked mask, so a host started as a script's background job (`cmd &` ignores
 //!   `SIGINT` and `SIGQUIT`) would hand that on to every rank; see
 //!   [`reset_signals_on_exec`].
+//! - **a launcher that leaves with its host**: [`term_with_parent_on_exec`].
 
 use std::fmt;
 use std::io;
@@ -228,6 +229,35 @@ pub(crate) fn reset_signals_on_exec(cmd: &mut std::process::Command) {
             let mut none: libc::sigset_t = std::mem::zeroed();
             libc::sigemptyset(&mut none);
             libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+}
+
+/// Makes the process `cmd` spawns receive `SIGTERM` when the thread that spawned it
+/// exits (`PR_SET_PDEATHSIG`, kept across `exec`), for an external launcher (srun,
+/// torchrun, mpirun): it is not a rank, so nothing else tells it that a `SIGKILL`ed host
+/// is gone, and it would keep its step, its workers' supervision and its allocation
+/// until its workers' exit reached it. `SIGTERM` is each launcher's own way to stop
+/// (srun cancels its step and gives its allocation back, torchrun and mpirun stop
+/// their workers). If the host already died between `fork` and the `prctl`, the spawn
+/// fails instead of starting an orphan.
+pub(crate) fn term_with_parent_on_exec(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt as _;
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed: `prctl` and `getppid` are plain system calls
+    // (no allocation, no lock); the error is built from an errno value without
+    // allocating. Tested by `tests/host_death_load.rs` (a SIGKILLed host's torchrun
+    // and mpirun leave with it).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
             Ok(())
         });
     }

@@ -1,25 +1,27 @@
 //! Accepting rank connections: credentials, handshake, and registration.
 //!
-//! One thread waits on the listener (and a waker) with `poll(2)`. Each accepted
-//! connection is authenticated on its own short-lived thread, so a peer that connects
-//! and says nothing holds up nobody. At most [`max_pending`] handshakes run at once
-//! (three per rank plus [`MAX_PENDING`] to spare: the limit grows with the group), each
-//! has a deadline, and a slot is given back however its thread ends (a guard, even if
-//! the thread cannot start). A connection over the limit is closed at once; ranks
-//! retry with back-off ([`rankexec_protocol::wire::dial`]), so idle connections can
-//! delay start-up by at most one handshake deadline, never deny it.
+//! One thread waits on the listener, a waker, and every connection that has not
+//! authenticated yet, with one `poll(2)`. It accepts every connection at once and sends
+//! it its challenge, then keeps it in a waiting room ([`super::waiting`]) holding
+//! nothing but its descriptor: no thread and no slot from a fixed pool, so silent
+//! connections, however many and from whatever address (the ranks' own included),
+//! never keep a rank waiting. A connection whose peer answers goes to a handshake
+//! thread of its own (handshakes run concurrently); one that stays silent past its
+//! pre-authentication deadline is closed ([`PRE_AUTH_TCP`] over TCP, where anyone on
+//! the network can connect; the group's handshake deadline on a local socket, whose
+//! peers `SO_PEERCRED` vouches for). The room and the handshakes together hold at most
+//! a quarter of the descriptor limit ([`super::waiting::room_cap`]); past it, the oldest
+//! waiting connection of the source holding the most makes room, never one younger
+//! than [`super::waiting::MIN_AGE`] (a real rank answers in milliseconds). A rank whose
+//! connection is closed before it authenticated retries with back-off until its
+//! start-up deadline ([`rankexec_protocol::wire::dial()`]).
 //!
-//! TCP is reachable by anyone on the network, so two more rules hold there: a peer
-//! must authenticate within [`PRE_AUTH_TCP`] (a real rank answers the challenge in
-//! milliseconds; one that connects and says nothing gives its slot back quickly), and
-//! one source address may hold at most half of the slots ([`max_pending_per_source`]),
-//! so a host flooding the port with silent connections cannot keep ranks on other
-//! hosts out. Caveat: ranks that share the flooding address (same host, or behind the
-//! same NAT) compete with it for that half; the short deadline bounds how long each
-//! silent connection holds a slot, not how often it comes back. Once the group is
-//! ready ([`AcceptPolicy::stop_accepting`]) the acceptor stops and the listener
-//! closes. A connection is refused, with the reason logged and sent to the
-//! peer, when:
+//! Caveat: a peer that sends part of a `Hello` and stops holds a handshake thread until
+//! its deadline; such peers count in the bound, so a flood of them delays start-up (new
+//! connections wait in the listen backlog), never denies it. Once the group is ready
+//! ([`AcceptPolicy::stop_accepting`]) the acceptor stops, closes whatever still waits,
+//! and the listener closes. A connection is refused, with the reason logged and sent to
+//! the peer, when:
 //!
 //! - its peer runs as another user (local sockets, `SO_PEERCRED`);
 //! - it does not prove it holds the launch's secret, or speaks another protocol version;
@@ -45,92 +47,25 @@
 //! pid is reused within those milliseconds would name another process of the same user
 //! (a peer of another user is refused before).
 
-use std::collections::HashMap;
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rankexec_protocol::wire::message::{Hello, Identity};
-use rankexec_protocol::wire::{Channel, Conn, Listener, Secret, effective_uid, server_handshake};
-use std::os::fd::{AsFd, OwnedFd};
+use rankexec_protocol::wire::{
+    Channel, Conn, Listener, Secret, effective_uid, server_challenge, server_finish,
+};
+use std::os::fd::AsFd;
 
+pub(crate) use super::peer::PeerProcess;
+use super::waiting::{MakeRoom, Room, Source, Waiting, room_cap};
 use crate::os::{self, Waker};
 
-/// Handshakes in progress allowed beyond three per rank.
-pub const MAX_PENDING: usize = 64;
-
-/// Most handshakes in progress at once for a group of `world` ranks.
-pub fn max_pending(world: u32) -> usize {
-    3 * world as usize + MAX_PENDING
-}
-
-/// How long a TCP peer has to prove it holds the secret (the whole handshake is one
-/// round trip, so this bounds it). Local peers are vouched for by `SO_PEERCRED` (same
-/// user) before their handshake and keep the group's handshake deadline.
+/// How long a TCP peer has to prove it holds the secret once challenged (a real rank
+/// answers in milliseconds; a silent connection is closed after this). Local peers
+/// are vouched for by `SO_PEERCRED` (same user) and keep the group's handshake
+/// deadline.
 pub const PRE_AUTH_TCP: Duration = Duration::from_secs(3);
-
-/// Most handshakes in progress at once from one TCP source address: half the group's
-/// slots, so one flooding host always leaves room for ranks elsewhere.
-pub fn max_pending_per_source(world: u32) -> usize {
-    max_pending(world) / 2
-}
-
-/// Handshakes in progress per TCP source address.
-type PerSource = Arc<Mutex<HashMap<IpAddr, usize>>>;
-
-/// Gives a handshake slot back when dropped (and its source's share, for TCP).
-struct Slot {
-    total: Arc<AtomicUsize>,
-    source: Option<(PerSource, IpAddr)>,
-}
-
-impl Slot {
-    /// Takes a slot, unless `limit` slots are taken, or `per_source` from `ip`.
-    fn take(
-        total: &Arc<AtomicUsize>,
-        limit: usize,
-        sources: &PerSource,
-        ip: Option<IpAddr>,
-        per_source: usize,
-    ) -> Result<Slot, String> {
-        if total.fetch_add(1, Ordering::SeqCst) >= limit {
-            total.fetch_sub(1, Ordering::SeqCst);
-            return Err(format!("{limit} handshakes already in progress"));
-        }
-        let mut slot = Slot {
-            total: total.clone(),
-            source: None,
-        };
-        if let Some(ip) = ip {
-            let mut map = sources.lock().unwrap_or_else(PoisonError::into_inner);
-            let n = map.entry(ip).or_insert(0);
-            if *n >= per_source {
-                return Err(format!(
-                    "{per_source} handshakes already in progress from {ip} (the most one source may hold)"
-                ));
-            }
-            *n += 1;
-            slot.source = Some((sources.clone(), ip));
-        }
-        Ok(slot)
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.total.fetch_sub(1, Ordering::SeqCst);
-        if let Some((sources, ip)) = self.source.take() {
-            let mut map = sources.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(n) = map.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    map.remove(&ip);
-                }
-            }
-        }
-    }
-}
 
 /// How long the acceptor waits after a failed `accept` before trying again.
 const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
@@ -260,51 +195,6 @@ pub(crate) struct Connected {
     pub(crate) peer: PeerProcess,
 }
 
-/// The process behind a connection, as far as the OS can vouch for it.
-#[derive(Debug)]
-pub(crate) enum PeerProcess {
-    /// A rank we spawned (its pid matched the spawned one): already tracked.
-    Spawned { pid: u32 },
-    /// A process on this host named by `SO_PEERCRED`, held by a pidfd, with its process
-    /// group read from the OS.
-    Local { pid: u32, pgid: u32, pidfd: OwnedFd },
-    /// A local peer whose pidfd could not be opened (it has exited): nothing to signal.
-    Gone { pid: u32 },
-    /// A TCP peer, perhaps on another host: never signalled.
-    Remote,
-}
-
-impl PeerProcess {
-    /// The verified local pid, if there is one.
-    pub(crate) fn pid(&self) -> Option<u32> {
-        match self {
-            PeerProcess::Spawned { pid }
-            | PeerProcess::Local { pid, .. }
-            | PeerProcess::Gone { pid } => Some(*pid),
-            PeerProcess::Remote => None,
-        }
-    }
-
-    /// Opens a pidfd for a local peer named by `SO_PEERCRED`.
-    fn open(pid: u32) -> PeerProcess {
-        let opened = os::pidfd_open(pid).and_then(|fd| {
-            let pgid = os::pgid_of(pid)?;
-            // The group read above is this process's only if it still lives.
-            if os::exited(&fd)? {
-                return Err(std::io::Error::from(std::io::ErrorKind::NotFound));
-            }
-            Ok((fd, pgid))
-        });
-        match opened {
-            Ok((pidfd, pgid)) => PeerProcess::Local { pid, pgid, pidfd },
-            Err(e) => {
-                tracing::debug!(pid, error = %e, "cannot hold the peer's process");
-                PeerProcess::Gone { pid }
-            }
-        }
-    }
-}
-
 /// The acceptor thread; stops (and closes the listener) when dropped, or when its
 /// policy stops accepting, whichever comes first.
 pub(crate) struct Acceptor {
@@ -355,14 +245,14 @@ fn accept_loop(
     listener: &Listener,
     policy: &Arc<AcceptPolicy>,
     report: &Arc<dyn Fn(Connected) + Send + Sync>,
-    waker: &Waker,
+    waker: &Arc<Waker>,
     stop: &AtomicBool,
 ) {
-    let pending = Arc::new(AtomicUsize::new(0));
-    let sources: PerSource = Arc::default();
-    let limit = max_pending(policy.world);
-    let per_source = max_pending_per_source(policy.world);
+    let mut room = Room::default();
+    let in_handshake = Arc::new(AtomicUsize::new(0));
+    let cap = room_cap();
     let uid = effective_uid();
+    let mut silent = 0usize;
     let mut back_off = false;
     loop {
         if back_off {
@@ -373,93 +263,208 @@ fn accept_loop(
             if os::poll_readable(&[waker.fd()], Some(ACCEPT_BACKOFF)).is_ok_and(|r| r[0]) {
                 waker.drain();
             }
-            if stop.load(Ordering::SeqCst) {
-                return;
-            }
         }
-        let ready = match os::poll_readable(&[waker.fd(), listener.as_fd()], None) {
+        if stop.load(Ordering::SeqCst) {
+            return log_silent(silent, room.len());
+        }
+        let now = Instant::now();
+        let expired = room.expire(now);
+        if expired > 0 && silent == 0 {
+            tracing::warn!(
+                "closed a connection that did not authenticate in time (more are counted, \
+                 not logged)"
+            );
+        }
+        silent += expired;
+        // The listener is polled only while a connection can be taken in; else new ones
+        // wait in its backlog until a waiting one ages or a handshake ends (which wakes
+        // this thread).
+        let busy = in_handshake.load(Ordering::SeqCst);
+        let room_at = room.room_for_one(busy, cap, now);
+        let mut fds = vec![waker.fd()];
+        if room_at.is_ok() {
+            fds.push(listener.as_fd());
+        }
+        let first_waiting = fds.len();
+        fds.extend(room.fds());
+        let wake_at = [room.next_deadline(), room_at.err().flatten()]
+            .into_iter()
+            .flatten()
+            .min();
+        let timeout = wake_at.map(|t| t.saturating_duration_since(now));
+        let ready = match os::poll_readable(&fds, timeout) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "acceptor cannot poll");
                 return;
             }
         };
+        drop(fds);
         if stop.load(Ordering::SeqCst) {
-            return;
+            return log_silent(silent, room.len());
         }
         if ready[0] {
             waker.drain();
         }
-        if !ready[1] {
-            continue;
+        // Peers that answered (or hung up) get a handshake thread each.
+        for w in room.take_ready(&ready[first_waiting..]) {
+            handshake(w, policy, report, &in_handshake, waker);
         }
-        loop {
-            let conn = match listener.accept() {
-                Ok(Some(c)) => c,
-                Ok(None) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed; retrying in {ACCEPT_BACKOFF:?}");
-                    back_off = true;
-                    break;
-                }
-            };
-            let peer = conn.peer_text();
-            let peer_pid = match conn.peer_creds() {
-                Some(Ok((pid, peer_uid))) => {
-                    if peer_uid != uid {
-                        tracing::warn!(%peer, "refused connection: peer runs as uid {peer_uid}, not {uid}");
-                        continue;
-                    }
-                    Some(pid)
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(%peer, error = %e, "refused connection: cannot read peer credentials");
-                    continue;
-                }
-                None => None,
-            };
-            let ip = conn.peer_ip();
-            let slot = match Slot::take(&pending, limit, &sources, ip, per_source) {
-                Ok(s) => s,
-                Err(why) => {
-                    tracing::warn!(%peer, "refused connection: {why} (the rank retries)");
-                    continue;
-                }
-            };
-            // A TCP peer must prove itself quickly (see the module docs).
-            let timeout = match ip {
-                Some(_) => policy.handshake_timeout.min(PRE_AUTH_TCP),
-                None => policy.handshake_timeout,
-            };
-            let (policy, report) = (policy.clone(), report.clone());
-            let span = tracing::Span::current();
-            let spawned = std::thread::Builder::new()
-                .name("rx-handshake".into())
-                .spawn(move || {
-                    span.in_scope(|| {
-                        let hs = server_handshake(&conn, &policy.secret, timeout, |h| {
-                            policy.admit(h, peer_pid)
-                        });
-                        drop(slot);
-                        match hs {
-                            Ok(hello) => report(Connected {
-                                rank: hello.who.rank,
-                                channel: hello.who.channel,
-                                peer: policy.peer(hello.who.rank, peer_pid),
-                                conn,
-                                hello,
-                            }),
-                            Err(e) => {
-                                let text = rankexec_protocol::error_chain(&e);
-                                tracing::warn!(%peer, "refused connection: {text}");
-                            }
-                        }
-                    })
-                });
-            if let Err(e) = spawned {
-                tracing::warn!(error = %e, "cannot start a handshake thread");
+        if first_waiting == 2 && ready[1] {
+            back_off = accept_all(listener, policy, &mut room, &in_handshake, cap, uid);
+        }
+    }
+}
+
+/// Accepts every pending connection there is room for, checks its credentials and
+/// sends its challenge; returns whether `accept` failed (to back off).
+fn accept_all(
+    listener: &Listener,
+    policy: &AcceptPolicy,
+    room: &mut Room,
+    in_handshake: &AtomicUsize,
+    cap: usize,
+    uid: u32,
+) -> bool {
+    loop {
+        let now = Instant::now();
+        match room.make_room(in_handshake.load(Ordering::SeqCst), cap, now) {
+            MakeRoom::Free => {}
+            MakeRoom::Closed(peer) => {
+                tracing::debug!(%peer, "closed a waiting connection to make room ({cap} at most)");
             }
+            // The rest wait in the backlog.
+            MakeRoom::Full(_) => return false,
         }
+        let conn = match listener.accept() {
+            Ok(Some(c)) => c,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; retrying in {ACCEPT_BACKOFF:?}");
+                return true;
+            }
+        };
+        let peer = conn.peer_text();
+        let peer_pid = match conn.peer_creds() {
+            Some(Ok((pid, peer_uid))) => {
+                if peer_uid != uid {
+                    tracing::warn!(%peer, "refused connection: peer runs as uid {peer_uid}, not {uid}");
+                    continue;
+                }
+                Some(pid)
+            }
+            Some(Err(e)) => {
+                tracing::warn!(%peer, error = %e, "refused connection: cannot read peer credentials");
+                continue;
+            }
+            None => None,
+        };
+        let (source, pre_auth) = match conn.peer_ip() {
+            // A TCP peer must prove itself quickly (see the module docs).
+            Some(ip) => (Source::Ip(ip), policy.handshake_timeout.min(PRE_AUTH_TCP)),
+            None => (Source::Local, policy.handshake_timeout),
+        };
+        // A fresh connection's buffer takes the challenge at once; a peer already gone
+        // fails here.
+        let challenged = match server_challenge(&conn, CHALLENGE_WRITE) {
+            Ok(c) => c,
+            Err(e) => {
+                let text = rankexec_protocol::error_chain(&e);
+                tracing::debug!(%peer, "closed a connection that could not be challenged: {text}");
+                continue;
+            }
+        };
+        room.push(Waiting {
+            conn,
+            challenged,
+            peer,
+            peer_pid,
+            source,
+            since: now,
+            deadline: now + pre_auth,
+        });
+    }
+}
+
+/// How long the challenge may take to write (it never waits on a fresh connection).
+const CHALLENGE_WRITE: Duration = Duration::from_millis(200);
+
+/// Gives a handshake's place in the bound back when its thread ends (or cannot start),
+/// and wakes the acceptor, which may have stopped taking connections at the bound.
+struct InHandshake {
+    count: Arc<AtomicUsize>,
+    waker: Arc<Waker>,
+}
+
+impl Drop for InHandshake {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+        self.waker.wake();
+    }
+}
+
+/// Finishes a waiting connection's handshake on a thread of its own, now that its peer
+/// has sent something, within what is left of its deadline.
+fn handshake(
+    w: Waiting,
+    policy: &Arc<AcceptPolicy>,
+    report: &Arc<dyn Fn(Connected) + Send + Sync>,
+    in_handshake: &Arc<AtomicUsize>,
+    waker: &Arc<Waker>,
+) {
+    in_handshake.fetch_add(1, Ordering::SeqCst);
+    let place = InHandshake {
+        count: in_handshake.clone(),
+        waker: waker.clone(),
+    };
+    let (policy, report) = (policy.clone(), report.clone());
+    let span = tracing::Span::current();
+    let spawned = std::thread::Builder::new()
+        .name("rx-handshake".into())
+        .spawn(move || {
+            span.in_scope(|| {
+                let left = w
+                    .deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                let Waiting {
+                    conn,
+                    challenged,
+                    peer,
+                    peer_pid,
+                    ..
+                } = w;
+                let hs = server_finish(&conn, &policy.secret, challenged, left, |h| {
+                    policy.admit(h, peer_pid)
+                });
+                drop(place);
+                match hs {
+                    Ok(hello) => report(Connected {
+                        rank: hello.who.rank,
+                        channel: hello.who.channel,
+                        peer: policy.peer(hello.who.rank, peer_pid),
+                        conn,
+                        hello,
+                    }),
+                    Err(e) => {
+                        let text = rankexec_protocol::error_chain(&e);
+                        tracing::warn!(%peer, "refused connection: {text}");
+                    }
+                }
+            })
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a handshake thread (the rank retries)");
+    }
+}
+
+/// Says how many connections were closed for staying silent, once start-up is over.
+fn log_silent(silent: usize, waiting: usize) {
+    if silent + waiting > 0 {
+        tracing::info!(
+            "start-up over: {silent} connections closed for not authenticating in time, \
+             {waiting} still waiting closed now"
+        );
     }
 }
 
@@ -488,32 +493,6 @@ mod tests {
             vec![Some(10), None],
             Duration::from_secs(1),
         )
-    }
-
-    #[test]
-    fn one_source_holds_at_most_its_share_of_slots() {
-        let total = Arc::new(AtomicUsize::new(0));
-        let sources = PerSource::default();
-        let a: IpAddr = "10.0.0.1".parse().unwrap();
-        let b: IpAddr = "10.0.0.2".parse().unwrap();
-        let held: Vec<Slot> = (0..2)
-            .map(|_| Slot::take(&total, 4, &sources, Some(a), 2).unwrap())
-            .collect();
-        let err = Slot::take(&total, 4, &sources, Some(a), 2).err().unwrap();
-        assert_eq!(
-            err,
-            "2 handshakes already in progress from 10.0.0.1 (the most one source may hold)"
-        );
-        // Another source still gets in, up to the total.
-        let c = Slot::take(&total, 4, &sources, Some(b), 2).unwrap();
-        let d = Slot::take(&total, 4, &sources, None, 2).unwrap();
-        assert_eq!(
-            Slot::take(&total, 4, &sources, Some(b), 2).err().unwrap(),
-            "4 handshakes already in progress"
-        );
-        drop((held, c, d));
-        assert_eq!(total.load(Ordering::SeqCst), 0);
-        assert!(sources.lock().unwrap().is_empty(), "shares are given back");
     }
 
     #[test]

@@ -3,3 +3,5 @@
 
 pub(crate) mod accept;
 pub(crate) mod link;
+pub(crate) mod peer;
+pub(crate) mod waiting;

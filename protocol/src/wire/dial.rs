@@ -1,11 +1,14 @@
 //! A rank's way in: connect and authenticate, retrying what a busy parent causes.
 //!
-//! A parent starting a large group (or one being flooded with idle connections) may
-//! have all its handshake slots busy; it then closes new connections at once, and a
-//! full listen backlog refuses or stalls `connect`. Those are transient: [`dial`]
-//! retries them with a doubling, jittered back-off until its deadline. What retrying
-//! cannot fix is returned at once: a wrong secret, another protocol version, or a
-//! refusal with a reason (another launch, a duplicate rank, start-up over).
+//! A parent starting a large group (or one being flooded with connections) may close
+//! a connection before it has authenticated, or not accept it in time, and a full
+//! listen backlog refuses or stalls `connect`. Those are transient: [`dial`] retries
+//! them with a doubling, jittered back-off until its deadline (a last attempt is made
+//! at the deadline). What retrying cannot fix is returned at once: a wrong secret,
+//! another protocol version, a refusal with a reason (another launch, a duplicate rank,
+//! start-up over), or a local socket nobody listens on any more (the parent has ended
+//! start-up or died: a rank whose host is SIGKILLed while it starts leaves at once
+//! instead of dialing a dead socket until its deadline).
 
 use std::time::{Duration, Instant};
 
@@ -56,6 +59,19 @@ pub fn retryable(e: &HandshakeError) -> bool {
     )
 }
 
+/// Whether a failed `connect` says nobody listens on a local socket any more: its file
+/// is gone, or no process holds it open (`ECONNREFUSED`; a busy listener makes a local
+/// `connect` wait, or fail with `EAGAIN`, never this). The parent binds before it
+/// starts any rank and never binds again, so retrying cannot help. Over TCP a refusal
+/// may come from anything on the path and is retried.
+fn listener_gone(endpoint: &Endpoint, e: &std::io::Error) -> bool {
+    matches!(endpoint, Endpoint::Local(_))
+        && matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+        )
+}
+
 fn jitter(d: Duration) -> Duration {
     // Up to +50 %, so ranks turned away together do not come back together.
     let r = getrandom::u32().unwrap_or(0) % 512;
@@ -77,6 +93,12 @@ pub fn dial(
         attempts += 1;
         let left = deadline.saturating_duration_since(Instant::now());
         let failure = match endpoint.connect(left.max(Duration::from_millis(1))) {
+            Err(e) if listener_gone(endpoint, &e) => {
+                return Err(DialError::Connect {
+                    attempts,
+                    source: e,
+                });
+            }
             Ok(conn) => match client_handshake(&conn, secret, who, left) {
                 Ok(()) => return Ok(conn),
                 Err(e) if retryable(&e) => DialError::Handshake {
@@ -95,10 +117,12 @@ pub fn dial(
                 source: e,
             },
         };
-        let wait = jitter(pause);
-        if Instant::now() + wait >= deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return Err(failure);
         }
+        // The last pause ends at the deadline, for one more attempt there.
+        let wait = jitter(pause).min(left);
         tracing::debug!(
             attempts,
             "parent busy: {}; retrying in {wait:?}",

@@ -240,7 +240,8 @@ fn record_keys(secret: &Secret, challenge: &Nonce, h: &Hello, server: bool) -> K
 
 /// The parent's side. `admit` decides, after authentication, whether this rank and
 /// channel are welcome (range, duplicates, start-up state); its error text is sent to
-/// the peer and returned as [`HandshakeError::Refused`].
+/// the peer and returned as [`HandshakeError::Refused`]. It is [`server_challenge`]
+/// then [`server_finish`], under one deadline.
 pub fn server_handshake(
     conn: &Conn,
     secret: &Secret,
@@ -248,18 +249,51 @@ pub fn server_handshake(
     admit: impl FnOnce(&Identity) -> Result<(), String>,
 ) -> Result<Hello, HandshakeError> {
     let deadline = Instant::now() + timeout;
+    let challenged = server_challenge(conn, timeout)?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    server_finish(conn, secret, challenged, left, admit)
+}
+
+/// A connection the parent has challenged: what [`server_finish`] needs once the peer
+/// answers.
+#[derive(Debug)]
+pub struct Challenged {
+    nonce: Nonce,
+}
+
+/// The parent's first step: sends the `Challenge`. It is a few dozen bytes, which a
+/// fresh connection's send buffer always takes, so this never waits for the peer: a
+/// parent can challenge every connection at once and wait for all their answers
+/// together (`poll`), holding no thread for a peer that never answers.
+pub fn server_challenge(conn: &Conn, timeout: Duration) -> Result<Challenged, HandshakeError> {
     conn.set_write_timeout(Some(timeout))
         .map_err(FrameError::from)?;
-    let challenge = random_bytes().map_err(|e| HandshakeError::Refused {
+    let nonce = random_bytes().map_err(|e| HandshakeError::Refused {
         reason: e.to_string(),
     })?;
     send(
         conn,
         &Handshake::Challenge {
             version: PROTOCOL_VERSION,
-            nonce: challenge,
+            nonce,
         },
     )?;
+    Ok(Challenged { nonce })
+}
+
+/// The parent's second step: reads the peer's `Hello` (waiting at most `timeout`),
+/// authenticates it, asks `admit`, and answers `Welcome` or `Refused`.
+pub fn server_finish(
+    conn: &Conn,
+    secret: &Secret,
+    challenged: Challenged,
+    timeout: Duration,
+    admit: impl FnOnce(&Identity) -> Result<(), String>,
+) -> Result<Hello, HandshakeError> {
+    let deadline = Instant::now() + timeout;
+    conn.set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
+        .map_err(FrameError::from)?;
+    let challenge = challenged.nonce;
     let hello = match recv(conn, deadline, timeout)? {
         Handshake::Hello(h) => h,
         other => {
@@ -437,6 +471,21 @@ mod tests {
             Err(HandshakeError::Refused { reason }) => assert_eq!(reason, "duplicate rank 1"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn challenge_first_then_finish_once_the_peer_answers() {
+        let (a, b) = Conn::pair().unwrap();
+        let secret = Secret::generate().unwrap();
+        // Challenged before the peer reads anything: the challenge waits in its buffer.
+        let challenged = server_challenge(&a, Duration::from_secs(5)).unwrap();
+        let s = secret.clone();
+        let t =
+            std::thread::spawn(move || client_handshake(&b, &s, &who(), Duration::from_secs(5)));
+        let hello =
+            server_finish(&a, &secret, challenged, Duration::from_secs(5), |_| Ok(())).unwrap();
+        assert_eq!((hello.who.rank, hello.who.channel), (1, Channel::Exec));
+        t.join().unwrap().unwrap();
     }
 
     #[test]

@@ -22,5 +22,8 @@ pub use conn::{Conn, Endpoint, EndpointParseError, Listener, TcpConn, effective_
 pub use dial::{DialError, dial};
 pub use envelope::{BlobPolicy, PackError, UnpackError};
 pub use frame::{FrameError, FrameLimits, InFrame, OutFrame};
-pub use handshake::{HandshakeError, Secret, client_handshake, server_handshake};
+pub use handshake::{
+    Challenged, HandshakeError, Secret, client_handshake, server_challenge, server_finish,
+    server_handshake,
+};
 pub use message::{Channel, Identity, Message, PROTOCOL_VERSION};

@@ -7,8 +7,9 @@
 //!   the rank compares `getppid()` with the pid it was given right after.
 //! - `mapped_inode`: the inode of the file mapped at an address (`/proc/self/maps`),
 //!   so the `Digest` component can prove a blob is the parent's memory file itself.
-//! - `exit_now`: `_exit(2)` after flushing our own output, for exits from a thread
-//!   while others run.
+//! - `exit_after`: `_exit(2)` after a last log line and flushing our own
+//!   output (waited for briefly: a stalled reader of our stdout or stderr never keeps
+//!   us), for exits from a thread while others run.
 //! - `ignore_sigterm`: used only by the built-in `Sleep` component to play a rank that
 //!   refuses to stop, so tests can prove the executor escalates to `SIGKILL`.
 //! - `wait_readable`: `poll(2)` on a few descriptors, for a foreign rank's caller that
@@ -24,18 +25,51 @@ pub(crate) fn die_with_parent(expected_parent: u32) -> std::io::Result<bool> {
     Ok(getppid() == Pid::from_raw(expected_parent as i32))
 }
 
-/// Flushes stdout and stderr, then ends the process at once (`_exit(2)`): no `atexit`
-/// handler or static destructor runs. Service threads exit this way while other
-/// threads (a task, a Python interpreter) are still running, where `exit(3)` would run
-/// those handlers concurrently with code still using what they tear down.
-pub(crate) fn exit_now(code: u8) -> ! {
+/// How long a dying rank waits for its last log line and its flushed output.
+pub(crate) const LAST_WORDS: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Runs `last_words` (a log line), flushes stdout and stderr, then ends the process at
+/// once (`_exit(2)`): no `atexit` handler or static destructor runs. Service threads
+/// exit this way while other threads (a task, a Python interpreter) are still running,
+/// where `exit(3)` would run those handlers concurrently with code still using what
+/// they tear down.
+///
+/// The words and the flush run on a helper thread, waited for at most
+/// [`LAST_WORDS`]: stdout and stderr are pipes to whoever launched the rank (the host,
+/// slurmstepd, torchrun, mpirun's daemon, a `| tee`), and when that reader is alive but
+/// no longer reads, a full pipe would block the write forever (and a task blocked on
+/// it holds stdout's lock), so a rank whose parent is gone would never leave.
+pub(crate) fn exit_after(code: u8, last_words: impl FnOnce() + Send + 'static) -> ! {
     use std::io::Write as _;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
+    let (said, wait) = std::sync::mpsc::channel::<()>();
+    let span = tracing::Span::current();
+    // Handed back by a helper that cannot start, so the words are still said (here,
+    // unbounded: a process that cannot start a thread is rarely also stalled on a pipe).
+    let words = std::sync::Arc::new(std::sync::Mutex::new(Some(last_words)));
+    let w = words.clone();
+    let helper = std::thread::Builder::new()
+        .name("rx-exit".into())
+        .spawn(move || {
+            let words = w.lock().ok().and_then(|mut g| g.take());
+            if let Some(words) = words {
+                span.in_scope(words);
+            }
+            let _ = std::io::stdout().flush();
+            let _ = std::io::stderr().flush();
+            let _ = said.send(());
+        });
+    if helper.is_ok() {
+        // Done, panicked (the sender is dropped) or stuck: go either way.
+        let _ = wait.recv_timeout(LAST_WORDS);
+    } else if let Some(words) = words.lock().ok().and_then(|mut g| g.take()) {
+        words();
+        let _ = std::io::stderr().flush();
+    }
     // SAFETY: `_exit(2)` takes a plain integer, touches no memory of ours and never
     // returns; it is unsafe only as a foreign call. Skipping `atexit` handlers is the
     // point. Exercised by the Python test of a rank whose host is SIGKILLed under
-    // torchrun (a C `atexit` marker must not run).
+    // torchrun (a C `atexit` marker must not run) and by `tests/host_death_load.rs`
+    // (a rank whose stderr reader stalls still leaves).
     unsafe { nix::libc::_exit(i32::from(code)) }
 }
 

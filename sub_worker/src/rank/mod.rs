@@ -147,16 +147,21 @@ fn startup_failure(e: &StartupError) -> std::process::ExitCode {
     std::process::ExitCode::from(EXIT_STARTUP)
 }
 
-/// Exits the whole process because the parent is gone.
+/// Exits the whole process because the parent is gone. The log line is written on the
+/// way out, never waited for long (see [`os::exit_after`]).
 fn parent_gone(channel: &str) -> ! {
-    warn!("{channel} channel closed without Close: the parent is gone, exiting");
-    os::exit_now(EXIT_PARENT_GONE)
+    let channel = channel.to_owned();
+    os::exit_after(EXIT_PARENT_GONE, move || {
+        warn!("{channel} channel closed without Close: the parent is gone, exiting");
+    })
 }
 
 fn protocol_violation(channel: &str, what: &str) -> ! {
-    error!("{channel} channel: protocol violation: {what}");
     errorfile::write("ProtocolError", what, channel);
-    os::exit_now(EXIT_PROTOCOL)
+    let (channel, what) = (channel.to_owned(), what.to_owned());
+    os::exit_after(EXIT_PROTOCOL, move || {
+        error!("{channel} channel: protocol violation: {what}");
+    })
 }
 
 /// Frames from the authenticated parent: generous, since it sends whole models.

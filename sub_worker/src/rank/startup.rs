@@ -309,12 +309,15 @@ pub(super) fn spawn(name: &str, f: impl FnOnce() + Send + 'static) {
         .name(name.to_owned())
         .spawn(move || {
             if catch_unwind(AssertUnwindSafe(|| span.in_scope(f))).is_err() {
-                error!(thread, "service thread panicked; exiting");
-                os::exit_now(EXIT_INTERNAL);
+                os::exit_after(EXIT_INTERNAL, move || {
+                    error!(thread, "service thread panicked; exiting");
+                });
             }
         })
     {
-        error!(thread = name, error = %e, "cannot start thread");
-        os::exit_now(EXIT_STARTUP);
+        let thread = name.to_owned();
+        os::exit_after(EXIT_STARTUP, move || {
+            error!(thread, error = %e, "cannot start thread");
+        });
     }
 }
