@@ -217,8 +217,8 @@ fn start_under_flood(n: usize) {
     assert_gone(&pids, "after finalize");
     eprintln!(
         "{n} silent connections from 127.0.0.1, kept up: 2-rank group ready {:.0} ms after \
-         its ranks started (deadline {startup:?}); the parent closed {closed} of the flood's \
-         connections meanwhile",
+         its ranks started (deadline {startup:?}); the flood saw {closed} of its connections \
+         closed by the parent before it stopped",
         took.as_secs_f64() * 1e3
     );
 }
