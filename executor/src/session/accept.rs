@@ -53,7 +53,8 @@ use std::time::{Duration, Instant};
 
 use rankexec_protocol::wire::message::{Hello, Identity};
 use rankexec_protocol::wire::{
-    Channel, Conn, Listener, Secret, effective_uid, server_challenge, server_finish,
+    Channel, Conn, FrameError, HandshakeError, Listener, Secret, effective_uid, server_challenge,
+    server_finish,
 };
 use std::os::fd::AsFd;
 
@@ -446,6 +447,11 @@ fn handshake(
                         conn,
                         hello,
                     }),
+                    // A peer that hung up without a word (a flood's connection): no
+                    // reason to give, and one line each would flood the log.
+                    Err(HandshakeError::Frame(FrameError::Closed)) => {
+                        tracing::debug!(%peer, "closed before it authenticated");
+                    }
                     Err(e) => {
                         let text = rankexec_protocol::error_chain(&e);
                         tracing::warn!(%peer, "refused connection: {text}");
