@@ -141,6 +141,64 @@ impl fmt::Display for RankFailure {
 
 impl std::error::Error for RankFailure {}
 
+impl RankFailure {
+    /// Whether the rank died from outside its own code: a signal sent to it (not a
+    /// fault of its own: `SIGSEGV`, `SIGBUS`, `SIGILL`, `SIGFPE`, `SIGABRT`, `SIGSYS`,
+    /// `SIGTRAP`), the kernel's OOM killer, a rank we did not spawn whose connection
+    /// closed (its node or launcher is gone), or silence past the heartbeat deadline (a
+    /// lost node or link). Running the task again may then succeed; an exception, an
+    /// exit code, a fault or a protocol violation would only repeat.
+    pub fn from_outside(&self) -> bool {
+        match &self.cause {
+            FailureCause::Exited(ExitStatus::Signal { signal, .. }) => ![
+                libc::SIGSEGV,
+                libc::SIGBUS,
+                libc::SIGILL,
+                libc::SIGFPE,
+                libc::SIGABRT,
+                libc::SIGSYS,
+                libc::SIGTRAP,
+            ]
+            .contains(signal),
+            FailureCause::OomKilled
+            | FailureCause::ConnectionClosed(_)
+            | FailureCause::Unresponsive(_) => true,
+            FailureCause::Exited(_) | FailureCause::Reported(_) | FailureCause::Protocol { .. } => {
+                false
+            }
+        }
+    }
+}
+
+/// One try of a task that a rank's death from outside ended; the task was then run
+/// again on a relaunched group (`restart.retry_task`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRetry {
+    /// Which try failed (1: the first run).
+    pub attempt: u32,
+    /// The death that ended it.
+    pub failure: RankFailure,
+}
+
+impl fmt::Display for TaskRetry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "try {}: rank {}: {}",
+            self.attempt, self.failure.rank, self.failure
+        )
+    }
+}
+
+/// `try 1: rank 1: ...; try 2: ...`.
+pub fn describe_retries(retries: &[TaskRetry]) -> String {
+    retries
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Why the group could not start.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StartError {
@@ -330,6 +388,16 @@ pub enum ExecuteError {
         #[source]
         last: Box<ExecuteError>,
     },
+    /// The task was run again after ranks died from outside (`restart.retry_task`), and
+    /// its last try failed with `last`.
+    #[error("retried {} time{} after ranks died ({}); the last try", retries.len(), if retries.len() == 1 { "" } else { "s" }, describe_retries(retries))]
+    Retried {
+        /// The tries that a rank's death ended, in order.
+        retries: Vec<TaskRetry>,
+        /// How the last try failed.
+        #[source]
+        last: Box<ExecuteError>,
+    },
     /// The results could not be combined.
     #[error("cannot combine the ranks' results")]
     Gather(#[source] GatherError),
@@ -351,7 +419,9 @@ impl ExecuteError {
             ExecuteError::RankFailed { failure, .. } => failure.class(),
             ExecuteError::Aborted { .. } | ExecuteError::Finalized => ErrorClass::Aborted,
             ExecuteError::Timeout { .. } => ErrorClass::Timeout,
-            ExecuteError::RestartsExhausted { last, .. } => last.class(),
+            ExecuteError::RestartsExhausted { last, .. } | ExecuteError::Retried { last, .. } => {
+                last.class()
+            }
             ExecuteError::Start(StartError::RankFailed(f)) => f.class(),
             ExecuteError::Start(StartError::Build { error, .. }) => error.0.class,
             ExecuteError::Start(StartError::Timeout { .. }) => ErrorClass::Timeout,
@@ -367,7 +437,9 @@ impl ExecuteError {
     pub fn root_cause(&self) -> Option<&RankFailure> {
         match self {
             ExecuteError::RankFailed { failure, .. } => Some(failure),
-            ExecuteError::RestartsExhausted { last, .. } => last.root_cause(),
+            ExecuteError::RestartsExhausted { last, .. } | ExecuteError::Retried { last, .. } => {
+                last.root_cause()
+            }
             ExecuteError::Start(StartError::RankFailed(f)) => Some(f),
             _ => None,
         }

@@ -47,15 +47,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, bounded};
-use rankexec_protocol::wire::message::Props;
 use rankexec_protocol::{
     ComponentError, EventType, Executor, FlComponent, FlContext, Shareable, Signal, keys,
 };
 
 use crate::admission::Admission;
 use crate::config::{ConfigError, ExecutorConfig, resolve_program};
-use crate::dispatcher::{Command, Dispatcher, EventCmd, ExecuteCmd, Status};
-use crate::error::{EventError, ExecuteError, FinalizeError, FinalizeReport, StartError};
+use crate::dispatcher::{Command, Dispatcher, EventCmd, ExecuteCmd, Status, TaskAnswer, TaskReply};
+use crate::error::{
+    EventError, ExecuteError, FinalizeError, FinalizeReport, StartError, TaskRetry,
+};
 
 struct Handle {
     tx: Sender<Command>,
@@ -178,8 +179,9 @@ impl MultiProcessExecutor {
             input,
             props: ctx.props().clone(),
             abort: abort.clone(),
-            reply,
+            reply: TaskReply::new(reply),
             wake: None,
+            deadline: None,
         })) {
             return Err(ExecuteError::DispatcherGone);
         }
@@ -313,19 +315,34 @@ impl Drop for MultiProcessExecutor {
     }
 }
 
+/// A task's result and the tries before it that a rank's death from outside ended
+/// (`restart.retry_task`; empty when the first try succeeded).
+#[derive(Debug)]
+pub struct TaskOutcome {
+    /// The result (rank 0's, or the combined one).
+    pub output: Shareable,
+    /// The tries a death ended, in order; the task ran again after each.
+    pub retries: Vec<TaskRetry>,
+}
+
 /// A task handed to the dispatcher by [`MultiProcessExecutor::submit_task`]: its result
 /// once every rank answered, with rank 0's context merged into the caller's by the merge
 /// rule of [`FlContext`].
 #[derive(Debug)]
 pub struct PendingTask {
     task: String,
-    rx: Receiver<Result<(Shareable, Props), ExecuteError>>,
+    rx: Receiver<TaskAnswer>,
 }
 
 impl PendingTask {
     /// Waits for the result. The dispatcher answers every task it took (each rank's
     /// task deadline bounds it); if it is gone, the error says so.
     pub fn wait(self, ctx: &mut FlContext) -> Result<Shareable, ExecuteError> {
+        self.wait_outcome(ctx).map(|o| o.output)
+    }
+
+    /// Waits for the result and the retries it took.
+    pub fn wait_outcome(self, ctx: &mut FlContext) -> Result<TaskOutcome, ExecuteError> {
         let result = self.rx.recv().unwrap_or(Err(ExecuteError::DispatcherGone));
         self.merged(result, ctx)
     }
@@ -336,6 +353,17 @@ impl PendingTask {
         timeout: Duration,
         ctx: &mut FlContext,
     ) -> Option<Result<Shareable, ExecuteError>> {
+        self.wait_outcome_timeout(timeout, ctx)
+            .map(|r| r.map(|o| o.output))
+    }
+
+    /// Waits up to `timeout` for the result and the retries it took; None if the task
+    /// is still running.
+    pub fn wait_outcome_timeout(
+        &self,
+        timeout: Duration,
+        ctx: &mut FlContext,
+    ) -> Option<Result<TaskOutcome, ExecuteError>> {
         let result = match self.rx.recv_timeout(timeout) {
             Ok(r) => r,
             Err(RecvTimeoutError::Timeout) => return None,
@@ -344,15 +372,20 @@ impl PendingTask {
         Some(self.merged(result, ctx))
     }
 
-    fn merged(
-        &self,
-        result: Result<(Shareable, Props), ExecuteError>,
-        ctx: &mut FlContext,
-    ) -> Result<Shareable, ExecuteError> {
-        let (out, props) = result?;
+    fn merged(&self, result: TaskAnswer, ctx: &mut FlContext) -> Result<TaskOutcome, ExecuteError> {
+        let (output, props, retries) = result?;
         for conflict in ctx.merge_from(props) {
             tracing::warn!(task = self.task, "{conflict}");
         }
-        Ok(out)
+        if !retries.is_empty() {
+            tracing::warn!(
+                task = self.task,
+                "task succeeded after {} retr{}: {}",
+                retries.len(),
+                if retries.len() == 1 { "y" } else { "ies" },
+                crate::error::describe_retries(&retries)
+            );
+        }
+        Ok(TaskOutcome { output, retries })
     }
 }

@@ -36,8 +36,8 @@ pub use config::{
 pub use dispatcher::Status;
 pub use error::{
     EventError, ExecuteError, FailureCause, FinalizeError, FinalizeReport, GatherError,
-    RankFailure, RemoteError, StartError,
+    RankFailure, RemoteError, StartError, TaskRetry,
 };
-pub use executor::{MultiProcessExecutor, PendingTask};
+pub use executor::{MultiProcessExecutor, PendingTask, TaskOutcome};
 pub use os::{ExitStatus, TermSignal};
 pub use units::{ByteSize, Dur};

@@ -15,6 +15,13 @@ ranks have stopped; a second raises at once.
 Failures are typed: ``RankFailed`` (rank, pid, cause, stderr tail), ``Aborted``,
 ``TimedOut``, ``StartupFailed``, ``EventFailed``, ``ConfigError``; all derive from
 ``RankexecError``.
+
+With ``restart: {"retry_task": N}``, a task whose rank died from outside (a signal, the
+OOM killer, a lost node; never an exception of the rank's code) runs again on a
+relaunched group, up to N times within its deadline: ``TaskResult.retries`` lists the
+tries a death ended, and an error after retries has them as its ``retries`` attribute
+(``[]`` on errors without retries). Caveat: each retry restarts the ranks, so whatever
+they kept in memory from earlier tasks is gone.
 """
 
 from __future__ import annotations
@@ -49,9 +56,14 @@ class RankexecError(_rankexec.RankexecError):
     """Base class of the host side's errors (a ``rankexec.RankexecError``); ``str()`` is
     the whole error chain."""
 
+    retries: list[dict[str, Any]]
+
     def __init__(self, message: str, **attrs: Any) -> None:
         super().__init__(message)
         self.message = message
+        # The tries of a task that a rank's death ended (restart.retry_task): dicts
+        # with attempt, rank, pid, cause and error_class. Set after construction.
+        self.retries = []
         for k, v in attrs.items():
             setattr(self, k, v)
 
@@ -120,16 +132,23 @@ class EventFailed(RankexecError):
 class TaskResult:
     """What ``RankGroup.execute`` returns: ``meta`` (dict), ``blobs`` (name to
     ``HostBlob``, a read-only buffer: ``numpy.frombuffer(blob, dtype)`` reads it in
-    place) and ``props`` (rank 0's context properties)."""
+    place), ``props`` (rank 0's context properties) and ``retries`` (the tries a rank's
+    death from outside ended before this result, as dicts with ``attempt``, ``rank``,
+    ``pid``, ``cause`` and ``error_class``; empty when the first try succeeded)."""
 
-    __slots__ = ("blobs", "meta", "props")
+    __slots__ = ("blobs", "meta", "props", "retries")
 
     def __init__(
-        self, meta: dict[str, Any], blobs: dict[str, HostBlob], props: dict[str, Any]
+        self,
+        meta: dict[str, Any],
+        blobs: dict[str, HostBlob],
+        props: dict[str, Any],
+        retries: list[dict[str, Any]] | None = None,
     ) -> None:
         self.meta = meta
         self.blobs = blobs
         self.props = props
+        self.retries = list(retries or [])
 
     def __repr__(self) -> str:
         return f"TaskResult(meta={self.meta!r}, blobs={self.blobs!r})"
@@ -198,7 +217,7 @@ class RankGroup:
         Starts the group if it was never started."""
         if not self._started:
             self.start()
-        meta_out, blobs_out, props_out = self._native.execute(
+        meta_out, blobs_out, props_out, retries = self._native.execute(
             task,
             dict(meta or {}),
             dict(blobs or {}),
@@ -207,7 +226,7 @@ class RankGroup:
             poll_s,
             abort_reason,
         )
-        return TaskResult(meta_out, blobs_out, props_out)
+        return TaskResult(meta_out, blobs_out, props_out, retries)
 
     def fire_event(self, event: str, props: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Delivers ``event`` to every rank; returns rank 0's context properties."""

@@ -237,6 +237,11 @@ pub struct RestartPolicy {
     pub backoff: Dur,
     /// The longest wait.
     pub max_backoff: Dur,
+    /// Re-runs of a task whose rank died from outside (a signal, the OOM killer, a lost
+    /// node or link; never an exception, exit code or fault of the rank's own code), on a
+    /// relaunched group and within the task's deadline, before the task fails. Each is a
+    /// relaunch (it counts against `max_restarts`). 0: off.
+    pub retry_task: u32,
 }
 
 impl Default for RestartPolicy {
@@ -245,6 +250,7 @@ impl Default for RestartPolicy {
             max_restarts: 3,
             backoff: Dur(Duration::from_millis(500)),
             max_backoff: Dur(Duration::from_secs(30)),
+            retry_task: 0,
         }
     }
 }

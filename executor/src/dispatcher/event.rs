@@ -128,7 +128,7 @@ impl Dispatcher {
         // Tasks in flight fail with the silent rank named.
         let rank = pending.first().copied().unwrap_or(0);
         let f = self.failure(rank, FailureCause::Unresponsive(op.allowed));
-        let mut after = self.fail_inflight(&f);
+        let mut after = self.fail_inflight(&f, false);
         after.push(After::FailEvent(reply, err));
         self.begin_stop("event deadline", after);
     }

@@ -172,17 +172,21 @@ impl Dispatcher {
         self.consecutive_failures += 1;
     }
 
-    /// Errors for everything in flight, to deliver after teardown.
-    pub(super) fn fail_inflight(&mut self, f: &RankFailure) -> Vec<After> {
+    /// Errors for everything in flight, to deliver after teardown; with `retry`, the
+    /// task in flight is run again instead when `f` allows it (see `retry`).
+    pub(super) fn fail_inflight(&mut self, f: &RankFailure, retry: bool) -> Vec<After> {
         let mut after: Vec<After> = Vec::new();
         if let Some(t) = self.task.take() {
             let err = ExecuteError::RankFailed {
                 failure: Box::new(f.clone()),
                 others: Vec::new(),
             };
-            self.last_failure = Some(err.clone());
-            let reply = t.cmd.reply;
-            after.push(After::FailTask(reply, err));
+            if retry {
+                after.push(self.retry_or_fail(t, f, err));
+            } else {
+                self.last_failure = Some(err.clone());
+                after.push(After::FailTask(t.cmd.reply, err));
+            }
         }
         for (_, op) in std::mem::take(&mut self.events) {
             let err = EventError::RankFailed {
@@ -219,7 +223,7 @@ impl Dispatcher {
             g.failures.push(f.clone());
         }
         self.note_failure();
-        let after = self.fail_inflight(&f);
+        let after = self.fail_inflight(&f, true);
         if !busy {
             let err = ExecuteError::RankFailed {
                 failure: Box::new(f),

@@ -28,12 +28,14 @@
 //! - `task`: tasks, aborts, results.
 //! - `event`: events to the ranks.
 //! - `failure`: failure reports and failing what is in flight.
+//! - `retry`: running a task again after a rank's death from outside.
 //! - `teardown`: the teardown ladder and finalize.
 //! - `tests`: transitions driven without processes.
 
 mod event;
 mod failure;
 mod launch;
+mod retry;
 mod run;
 mod startup;
 mod state;
@@ -43,4 +45,6 @@ mod teardown;
 mod tests;
 
 pub use state::Status;
-pub(crate) use state::{Command, Dispatcher, EventCmd, ExecuteCmd, Reporter};
+pub(crate) use state::{
+    Command, Dispatcher, EventCmd, ExecuteCmd, Reporter, TaskAnswer, TaskReply,
+};

@@ -127,6 +127,7 @@ impl Dispatcher {
         }
         if let Some(t) = &self.task {
             ds.push(t.deadline);
+            ds.extend(t.settle);
             ds.extend(t.aborting.as_ref().map(|a| a.deadline));
         }
         ds.extend(self.events.values().map(|e| e.deadline));
@@ -184,6 +185,11 @@ impl Dispatcher {
             return;
         }
         if let Some(t) = &self.task {
+            if t.settle.is_some_and(|d| now >= d) {
+                // No death came: the rank's error is the answer.
+                self.complete_task();
+                return;
+            }
             if let Some(a) = &t.aborting
                 && now >= a.deadline
             {

@@ -16,7 +16,7 @@ use crate::admission::ledger::Reservation;
 use crate::admission::{Admission, AdmissionError, Admit, Grant};
 use crate::config::ExecutorConfig;
 use crate::error::{
-    EventError, ExecuteError, FailureCause, FinalizeReport, RankFailure, StartError,
+    EventError, ExecuteError, FailureCause, FinalizeReport, RankFailure, StartError, TaskRetry,
 };
 use crate::group::output::{OutputPump, Source, Tails};
 use crate::group::process::{ProcInfo, ProcessTable};
@@ -34,6 +34,9 @@ pub(super) const CLOSED_GRACE: Duration = Duration::from_millis(500);
 pub(super) const KILL_WAIT: Duration = Duration::from_secs(2);
 /// How long to wait for a dead rank's stderr to drain into its error report.
 pub(super) const TAIL_WAIT: Duration = Duration::from_millis(200);
+/// How long a failed task waits, when it may be retried, for a rank's death from
+/// outside to show up as its root cause (see `TaskOp::settle`).
+pub(super) const SETTLE_GRACE: Duration = Duration::from_secs(1);
 /// How often a launch waiting for resources re-checks them.
 pub(super) const ADMISSION_RETRY: Duration = Duration::from_millis(500);
 
@@ -62,10 +65,49 @@ pub(crate) struct ExecuteCmd {
     pub(crate) input: Shareable,
     pub(crate) props: Props,
     pub(crate) abort: Signal,
-    pub(crate) reply: Sender<Result<(Shareable, Props), ExecuteError>>,
+    pub(crate) reply: TaskReply,
     /// Wakes the dispatcher when `abort` fires while the command waits (behind a task
     /// or a launch), so it is answered at once; set by the dispatcher.
     pub(crate) wake: Option<Subscription>,
+    /// The task's deadline, set by its first run: a retry keeps it.
+    pub(crate) deadline: Option<Instant>,
+}
+
+/// What a task's caller receives: rank 0's (or the combined) result and context, and
+/// the tries a rank's death ended before it (`restart.retry_task`).
+pub(crate) type TaskAnswer = Result<(Shareable, Props, Vec<TaskRetry>), ExecuteError>;
+
+/// Where a task's answer goes. It carries the task's retries so far: every answer, from
+/// any path (result, failure, abort, start-up failure), names them.
+pub(crate) struct TaskReply {
+    tx: Sender<TaskAnswer>,
+    pub(super) retries: Vec<TaskRetry>,
+}
+
+impl TaskReply {
+    pub(crate) fn new(tx: Sender<TaskAnswer>) -> Self {
+        TaskReply {
+            tx,
+            retries: Vec::new(),
+        }
+    }
+
+    /// Answers the caller; an error after retries says which tries ended how.
+    pub(crate) fn send(
+        self,
+        result: Result<(Shareable, Props), ExecuteError>,
+    ) -> Result<(), crossbeam_channel::SendError<TaskAnswer>> {
+        let retries = self.retries;
+        let answer = match result {
+            Ok((out, props)) => Ok((out, props, retries)),
+            Err(e) if retries.is_empty() => Err(e),
+            Err(e) => Err(ExecuteError::Retried {
+                retries,
+                last: Box::new(e),
+            }),
+        };
+        self.tx.send(answer)
+    }
 }
 
 pub(crate) struct EventCmd {
@@ -199,10 +241,7 @@ pub(super) enum Teardown {
 /// only then, so a caller that hears of a failure finds no process left.
 pub(super) enum After {
     /// Answer a task with an error.
-    FailTask(
-        Sender<Result<(Shareable, Props), ExecuteError>>,
-        ExecuteError,
-    ),
+    FailTask(TaskReply, ExecuteError),
     /// Answer an event with an error.
     FailEvent(Sender<Result<Props, EventError>>, EventError),
     /// Answer a park.
@@ -211,7 +250,8 @@ pub(super) enum After {
     Finalized(Sender<FinalizeReport>),
     /// Fail the commands that waited for a start-up.
     FailWaiters(Vec<Waiter>, StartError),
-    /// Run a task again, on a relaunched group (it ran out of memory).
+    /// Run a task again, on a relaunched group (it ran out of memory, or a rank died
+    /// from outside).
     RetryTask(ExecuteCmd),
     /// Launch again for the commands that waited (out of memory at start-up).
     Relaunch(Vec<Waiter>),
@@ -291,6 +331,11 @@ pub(super) struct TaskOp {
     /// file, a rank unmapping it never frees its pages, so that cost is not on the
     /// ranks' way to replying. Released off the dispatcher thread when the task ends.
     pub(super) sent: Option<crate::reclaim::Deferred<Frames>>,
+    /// A task that failed while a retry was possible waits until then before it is
+    /// answered: a rank's death from outside that comes meanwhile is the root cause (a
+    /// collective's error in a surviving rank is often reported before the dead rank's
+    /// exit is seen), and the task is retried. See `Dispatcher::hold_for_death`.
+    pub(super) settle: Option<Instant>,
 }
 
 /// A task's `Execute` frames, by carrier: `[memory files, inline]`.

@@ -56,7 +56,7 @@ impl Dispatcher {
         self.start_task(c);
     }
 
-    pub(super) fn start_task(&mut self, c: ExecuteCmd) {
+    pub(super) fn start_task(&mut self, mut c: ExecuteCmd) {
         let Some(g) = &self.group else { return };
         let id = self.next_task_id;
         self.next_task_id += 1;
@@ -114,9 +114,13 @@ impl Dispatcher {
             }
         });
         span.in_scope(|| debug!(ranks = world, "task packing"));
+        // A retried task keeps the deadline of its first run.
+        let deadline = *c
+            .deadline
+            .get_or_insert_with(|| Instant::now() + self.cfg.deadlines.task.0);
         self.task = Some(TaskOp {
             id,
-            deadline: Instant::now() + self.cfg.deadlines.task.0,
+            deadline,
             // A rank that does not get the task (`rank0_only`) has answered already.
             results: (0..world as usize)
                 .map(|r| {
@@ -128,6 +132,7 @@ impl Dispatcher {
             span,
             cmd: c,
             sent: None,
+            settle: None,
         });
         if let Some(frames) = packed_here {
             self.on_packed(id, frames);
@@ -263,6 +268,9 @@ impl Dispatcher {
     }
 
     pub(super) fn complete_task(&mut self) {
+        if self.hold_for_death() {
+            return;
+        }
         let Some(t) = self.task.take() else { return };
         let _enter = t.span.enter();
         let mut errors: Vec<(u32, RankError)> = Vec::new();

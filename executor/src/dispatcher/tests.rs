@@ -23,7 +23,7 @@ use crate::group::watch::ExitWatcher;
 use crate::session::link::{LinkEvent, RankLink};
 use crate::units::Dur;
 
-type ExecReply = Receiver<Result<(Shareable, Props), ExecuteError>>;
+type ExecReply = Receiver<super::state::TaskAnswer>;
 
 fn dispatcher(n: u32) -> Dispatcher {
     let mut cfg = ExecutorConfig::simple(n, "Echo", serde_json::Value::Null);
@@ -85,8 +85,9 @@ fn execute_with(d: &mut Dispatcher, abort: &Signal, input: Shareable) -> ExecRep
         input,
         props: Props::new(),
         abort: abort.clone(),
-        reply,
+        reply: super::state::TaskReply::new(reply),
         wake: None,
+        deadline: None,
     }));
     d.drain_queue();
     rx

@@ -38,7 +38,11 @@ either way returns ``EXECUTION_EXCEPTION`` naming its key. ``server_expected_for
 "pytorch"`` registers FLARE's tensor decomposer (needed to receive tensors, as with
 FLARE's own executors). A rank failure returns ``EXECUTION_EXCEPTION`` with the typed
 error logged (and in the reply's ``rankexec_error`` header); an aborted task returns
-``TASK_ABORTED``.
+``TASK_ABORTED``. With ``restart: {"retry_task": N}``, a task whose rank died from
+outside (signal, OOM kill, lost node) runs again on a relaunched group before the
+reply; the reply (OK or not) then has the ``rankexec_retries`` header: one dict per
+try a death ended (``attempt``, ``rank``, ``pid``, ``cause``, ``error_class``), also
+logged as a warning.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup, TaskRes
 
 #: Reply header holding the typed error of a failed rank group.
 ERROR_HEADER = "rankexec_error"
+#: Reply header listing the tries a rank's death ended before the reply (retry_task).
+RETRIES_HEADER = "rankexec_retries"
 #: FLContext property set on events that came from a rank (its rank number).
 FROM_RANK_PROP = "__rankexec_from_rank__"
 #: FLContext property holding the context properties a rank fired its event with.
@@ -397,7 +403,9 @@ class MultiProcessExecutor(Executor):
         if isinstance(result, Shareable):
             return result
         try:
-            return self._reply(result.meta, result.blobs, meta.get(ARRAYS_KEY), dxo)
+            return self._retried(
+                self._reply(result.meta, result.blobs, meta.get(ARRAYS_KEY), dxo), result.retries
+            )
         except (Unsendable, ValueError) as e:
             self.log_error(fl_ctx, f"task {task_name}: cannot return the ranks' result: {e}")
             return self._failed(f"task result {e}")
@@ -424,16 +432,32 @@ class MultiProcessExecutor(Executor):
             )
         except Aborted as e:
             self.log_info(fl_ctx, f"task {task_name} aborted in every rank: {e}")
-            return make_reply(ReturnCode.TASK_ABORTED)
+            return self._retried(make_reply(ReturnCode.TASK_ABORTED), e.retries)
         except RankFailed as e:
             self.log_error(fl_ctx, f"task {task_name}: {e}\n{e.report}")
-            return self._failed(str(e))
+            return self._retried(self._failed(str(e)), e.retries)
         except RankexecError as e:
             self.log_error(fl_ctx, f"task {task_name} failed: {e}")
-            return self._failed(str(e))
+            return self._retried(self._failed(str(e)), e.retries)
+        if result.retries:
+            causes = "; ".join(
+                f"try {r['attempt']}: rank {r['rank']}: {r['cause']}" for r in result.retries
+            )
+            self.log_warning(
+                fl_ctx,
+                f"task {task_name} succeeded after {len(result.retries)} "
+                f"retr{'y' if len(result.retries) == 1 else 'ies'} ({causes})",
+            )
         if abort_signal.triggered:
-            return make_reply(ReturnCode.TASK_ABORTED)
+            return self._retried(make_reply(ReturnCode.TASK_ABORTED), result.retries)
         return result
+
+    @staticmethod
+    def _retried(reply: Shareable, retries: list[dict[str, Any]]) -> Shareable:
+        """``reply`` with the ``rankexec_retries`` header when the task was retried."""
+        if retries:
+            reply.set_header(RETRIES_HEADER, [dict(r) for r in retries])
+        return reply
 
     @staticmethod
     def _task_input(shareable: Shareable) -> tuple[dict[str, Any], dict[str, Any], DXO | None]:

@@ -280,7 +280,7 @@ class ScriptExecutor(MultiProcessExecutor):
         current_round = shareable.get_header(AppConstants.CURRENT_ROUND)
         if current_round is not None:
             reply.set_header(AppConstants.CURRENT_ROUND, current_round)
-        return reply
+        return self._retried(reply, result.retries)
 
     @staticmethod
     def _model_of(out: dict, blobs: dict) -> FLModel:

@@ -6,12 +6,13 @@
 //! `Aborted(task, reason, forced)`, `TimedOut(what, timeout_s, pending)`,
 //! `StartupFailed(rank, pid, cause, error_class, stderr_tail)`, `EventFailed(event,
 //! rank)`, `ConfigError` and the base `RankexecError`. Each message is the whole error
-//! chain.
+//! chain. A task that was retried (`restart.retry_task`) fails with its last try's
+//! exception, which also has `retries` (see `retries_to_py`).
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 use rankexec_executor::{
-    ConfigError, EventError, ExecuteError, FailureCause, RankFailure, StartError,
+    ConfigError, EventError, ExecuteError, FailureCause, RankFailure, StartError, TaskRetry,
 };
 use rankexec_protocol::error_chain;
 
@@ -66,10 +67,42 @@ fn rank_failed(py: Python<'_>, message: String, f: &RankFailure, others: &[RankF
     build(py, "RankFailed", message, attrs)
 }
 
-/// A task's error.
+/// The tries a rank's death ended (`restart.retry_task`), as dicts: `attempt`, `rank`,
+/// `pid`, `cause` (one line) and `error_class`.
+pub(crate) fn retries_to_py<'py>(
+    py: Python<'py>,
+    retries: &[TaskRetry],
+) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for r in retries {
+        let d = PyDict::new(py);
+        d.set_item("attempt", r.attempt)?;
+        d.set_item("rank", r.failure.rank)?;
+        d.set_item("pid", r.failure.pid)?;
+        d.set_item("cause", r.failure.to_string())?;
+        d.set_item("error_class", r.failure.class().as_str())?;
+        list.append(d)?;
+    }
+    Ok(list)
+}
+
+/// A task's error. One that followed retries is the last try's exception, with the
+/// whole chain as its message and the tries as its `retries` attribute.
 pub(crate) fn execute_error(py: Python<'_>, e: &ExecuteError) -> PyErr {
-    let message = error_chain(e);
+    execute_error_with(py, error_chain(e), e)
+}
+
+fn execute_error_with(py: Python<'_>, message: String, e: &ExecuteError) -> PyErr {
     match e {
+        ExecuteError::Retried { retries, last } => {
+            let err = execute_error_with(py, message, last);
+            if let Err(set) =
+                retries_to_py(py, retries).and_then(|l| err.value(py).setattr("retries", l))
+            {
+                return set;
+            }
+            err
+        }
         ExecuteError::RankFailed { failure, others } => rank_failed(py, message, failure, others),
         ExecuteError::RestartsExhausted { last, .. } => match last.root_cause() {
             Some(f) => rank_failed(py, message, f, &[]),

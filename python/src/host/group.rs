@@ -21,7 +21,7 @@ use std::time::Duration;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::{PyDict, PyList, PyString};
 use pyo3::{PyTraverseError, PyVisit};
 use rankexec_executor::{ExecutorConfig, MultiProcessExecutor, TermSignal};
 use rankexec_protocol::{Engine, FlContext, PropFlags, Shareable, Signal, keys};
@@ -68,6 +68,15 @@ impl HostGroup {
         convert::context(ctx, props)
     }
 }
+
+/// What `execute` returns: the result's meta, its blobs, rank 0's context properties
+/// and the tries a rank's death ended before it.
+type Executed<'py> = (
+    Bound<'py, PyDict>,
+    Bound<'py, PyDict>,
+    Bound<'py, PyDict>,
+    Bound<'py, PyList>,
+);
 
 #[pymethods]
 impl HostGroup {
@@ -130,7 +139,7 @@ impl HostGroup {
         r.map_err(|e| errors::start_error(py, &e))
     }
 
-    /// Runs `task` on every rank; returns `(meta, blobs, props)`.
+    /// Runs `task` on every rank; returns `(meta, blobs, props, retries)`.
     #[pyo3(signature = (task, meta, blobs, props=None, abort_check=None, poll_s=0.005, abort_reason="aborted by the host".to_owned()))]
     #[allow(clippy::too_many_arguments)]
     fn execute<'py>(
@@ -143,7 +152,7 @@ impl HostGroup {
         abort_check: Option<Py<PyAny>>,
         poll_s: f64,
         abort_reason: String,
-    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+    ) -> PyResult<Executed<'py>> {
         let exec = self.exec()?;
         // The task is in flight from here: an `abort()` while its input is converted or
         // copied into shared memory applies to it (the executor then ends it at once).
@@ -200,7 +209,7 @@ impl HostGroup {
             wait_for(
                 py,
                 slice,
-                |left| match pending.wait_timeout(left, &mut ctx) {
+                |left| match pending.wait_outcome_timeout(left, &mut ctx) {
                     Some(r) => Slice::Done(r),
                     None => Slice::Pending,
                 },
@@ -225,15 +234,16 @@ impl HostGroup {
         });
         drop(_in_flight);
         self.stager.prepare_in_background(sizes);
-        let out = result?.map_err(|e| errors::execute_error(py, &e))?;
-        let (meta, blobs) = out.into_parts();
+        let outcome = result?.map_err(|e| errors::execute_error(py, &e))?;
+        let retries = errors::retries_to_py(py, &outcome.retries)?;
+        let (meta, blobs) = outcome.output.into_parts();
         let py_meta = crate::value::map_to_py(py, &meta)?;
         let py_blobs = PyDict::new(py);
         for (name, blob) in blobs {
             py_blobs.set_item(PyString::new(py, &name), Py::new(py, HostBlob { blob })?)?;
         }
         let py_props = convert::props_to_py(py, ctx.props())?;
-        Ok((py_meta, py_blobs, py_props))
+        Ok((py_meta, py_blobs, py_props, retries))
     }
 
     /// Delivers `event` to every rank; returns rank 0's context properties.

@@ -1,0 +1,104 @@
+//! Task retries (`restart.retry_task`): a task whose rank died from outside (a signal,
+//! the OOM killer, a lost node or link; see [`RankFailure::from_outside`]) is run again
+//! on a relaunched group, with the same input and within its first run's deadline,
+//! before its caller is answered. The answer names every try a death ended.
+//!
+//! The decision is made where a death meets the task in flight (`fail_inflight`): the
+//! group is torn down as for any failure, and the task goes back to the front of the
+//! queue (`After::RetryTask`), where it waits for the relaunch like any task after a
+//! failure (the back-off applies and the relaunch counts against `max_restarts`).
+//!
+//! Caveat: when one rank dies, the others often fail first in a collective (gloo's
+//! "connection closed by peer"), and with `rank0_only` rank 0's error alone completes
+//! the task. So a task that failed while a retry is possible waits up to
+//! `SETTLE_GRACE` for a death from outside to show up as the root cause before it is
+//! answered with the error (`hold_for_death`). An error that no death follows is
+//! answered that much later; nothing else waits.
+
+use std::time::Instant;
+
+use rankexec_protocol::ErrorClass;
+use tracing::{info, warn};
+
+use crate::error::{RankFailure, TaskRetry};
+
+use super::state::*;
+
+impl Dispatcher {
+    /// Whether the task in flight may be run again after a death now: retries left and
+    /// time left before its deadline.
+    pub(super) fn may_retry(&self, t: &TaskOp, now: Instant) -> bool {
+        let used = t.cmd.reply.retries.len();
+        used < self.cfg.restart.retry_task as usize && now < t.deadline && !self.finalized
+    }
+
+    /// Holds a task that would be answered with a rank's error while a retry is
+    /// possible, until `SETTLE_GRACE` passes; true when it was held (see the module's
+    /// caveat). A held task is answered at its settle deadline (`on_timers`) or
+    /// retried by a death that comes first.
+    pub(super) fn hold_for_death(&mut self) -> bool {
+        let now = Instant::now();
+        let Some(t) = &self.task else { return false };
+        let by_user = t.aborting.as_ref().is_some_and(|a| a.by_user);
+        let failed = t.results.iter().any(|r| {
+            matches!(r, Some(Err(e)) if e.class != ErrorClass::Aborted && e.class != ErrorClass::OutOfMemory)
+        });
+        if t.settle.is_some() || by_user || !failed || !self.may_retry(t, now) {
+            return false;
+        }
+        let healthy = self
+            .group
+            .as_ref()
+            .is_some_and(|g| matches!(g.phase, Phase::Ready));
+        if !healthy {
+            return false;
+        }
+        if let Some(t) = &mut self.task {
+            t.settle = Some(now + SETTLE_GRACE);
+            t.span.in_scope(|| {
+                info!(
+                    grace_ms = SETTLE_GRACE.as_millis() as u64,
+                    "a rank reported an error; waiting briefly for a rank's death to retry on"
+                )
+            });
+        }
+        true
+    }
+
+    /// What happens to the task in flight when rank failure `f` stops the group:
+    /// retried when `f` is a death from outside and a retry is possible, else answered
+    /// with `err`.
+    pub(super) fn retry_or_fail(
+        &mut self,
+        t: TaskOp,
+        f: &RankFailure,
+        err: crate::error::ExecuteError,
+    ) -> After {
+        if !(f.from_outside() && self.may_retry(&t, Instant::now())) {
+            self.last_failure = Some(err.clone());
+            return After::FailTask(t.cmd.reply, err);
+        }
+        let TaskOp {
+            cmd: mut c,
+            deadline,
+            span,
+            ..
+        } = t;
+        let attempt = c.reply.retries.len() as u32 + 1;
+        span.in_scope(|| {
+            warn!(
+                attempt,
+                of = self.cfg.restart.retry_task,
+                "rank {} died from outside ({f}); retrying the task on a relaunched group",
+                f.rank
+            )
+        });
+        c.reply.retries.push(TaskRetry {
+            attempt,
+            failure: f.clone(),
+        });
+        c.deadline = Some(deadline);
+        self.last_failure = Some(err);
+        After::RetryTask(c)
+    }
+}
