@@ -15,7 +15,9 @@ installed on the sites. Then, on the same deployment, in order:
   gone, and the next job runs;
 - a SIGKILL of a client's job process mid-round: its ranks are gone, and the client runs
   the next job;
-- two jobs at once on the same sites.
+- two jobs at once on the same sites;
+- `examples/flare/client-api/recipe_job.py` (FLARE's Recipe API with
+  `use_rank_groups`) through `ProdEnv` with the deployment's admin kit.
 
 Finally `nvflare poc stop` and nothing of the deployment is left (`Poc.stop` returns
 what it had to kill).
@@ -27,6 +29,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -262,3 +266,48 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_recipe_runs_as_rank_groups_through_prod_env(poc, tmp_path):
+    """`examples/flare/client-api/recipe_job.py --env prod`: FLARE's FedAvgRecipe with
+    cross-site evaluation and TensorBoard tracking, `use_rank_groups`, and
+    `recipe.execute(ProdEnv(startup_kit_location=...))` against this deployment."""
+    example = tmp_path / "client-api"
+    shutil.copytree(REPO / "examples" / "flare" / "client-api", example, ignore=_no_jobs)
+    out = tmp_path / "recipe.out"
+    with out.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "recipe_job.py", "--env", "prod", "--rounds", "2"]
+            + ["--startup-kit", str(poc.admin_kit)],
+            cwd=example,
+            env=poc.env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=JOB_CAP_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            pytest.fail(f"recipe_job.py did not finish:\n{out.read_text()[-4000:]}")
+    text = out.read_text(errors="replace")
+    assert rc == 0, text[-4000:]
+    line = [x for x in text.splitlines() if x.startswith("job ")][-1]
+    assert "FINISHED:COMPLETED" in line, text[-4000:]
+    job_id = line.split()[1].rstrip(":")
+    results = Path(line.rsplit("results in ", 1)[1])
+    cse = list(results.rglob("cross_val_results.json"))
+    assert cse, f"no cross-site results under {results}"
+    scores = json.loads(cse[0].read_text())
+    print(f"cross-site evaluation: {json.dumps(scores)}")
+    assert all(v["accuracy"] > 0.5 for site in scores.values() for v in site.values()), scores
+    assert list(results.rglob("events.out.tfevents.*")), "no TensorBoard events"
+    for site in poc.sites:
+        cfg = poc.job_dir(site, job_id).rglob("config_fed_client.json")
+        assert any("ScriptExecutor" in c.read_text() for c in cfg), site
+    assert wait_until(lambda: not job_rank_pids(poc, job_id), 30, step=0.1)
+
+
+def _no_jobs(folder: str, names: list[str]) -> list[str]:
+    return ["jobs"] if Path(folder).name == "client-api" else []
