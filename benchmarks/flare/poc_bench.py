@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
-from flare.poc import Poc  # noqa: E402
+from flare.poc import Poc
 
 JOBS = REPO / "examples" / "flare" / "client-api" / "jobs"
 #: Epochs per round of the aborted job: a round of about a minute on 2 cores, so the
@@ -134,9 +134,7 @@ def executor_abort_share(poc: Poc, job_id: str) -> float | None:
             lines = log.read_text(errors="replace").splitlines()
         except OSError:
             return None
-        start = next(
-            (_seconds(x) for x in lines if "ScriptExecutor" in x and "END_RUN" in x), None
-        )
+        start = next((_seconds(x) for x in lines if "ScriptExecutor" in x and "END_RUN" in x), None)
         if start is None:
             start = next(
                 (_seconds(x) for x in lines if "_end_run" in x or "about_to_end_run" in x), None
