@@ -1,0 +1,100 @@
+"""The rank side of ``rankexec.flower``: a component that runs the Flower handlers.
+
+Why: every rank of the group runs ``python -m rankexec.worker`` with this component;
+for each message it imports the user's app module once (from the installed FAB's
+folder, like ``flwr-clientapp`` does, but only on the first message of the run), sets
+Flower's task identity, rebuilds the ``Message`` and ``Context`` (arrays as read-only
+views of the shared memory the host filled) and calls the app's handler through
+Flower's own routing (``flwr.clientapp.ClientApp.__call__``: message type, action,
+mods, lifespan). Rank 0's reply and its ``context.state`` go back; the other ranks'
+replies are dropped.
+
+Caveats: module-level state of the app (a model, a loaded dataset, a process group)
+survives from message to message, which is the point; a handler that calls
+``torch.distributed.init_process_group()`` must guard it with ``is_initialized()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import sys
+from typing import Any
+
+import rankexec
+from rankexec.flower import _codec, _state
+
+__all__ = ["FlowerRank"]
+
+_closing = False
+
+
+def _exit_after_close() -> None:
+    # torch's DDP keeps native threads that hang the interpreter's teardown (measured:
+    # 5 s until the host's SIGTERM, even after destroy_process_group()). After a normal
+    # close the rank has nothing left to do: end the process here, after atexit's
+    # earlier handlers, before module teardown.
+    if _closing:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class FlowerRank:
+    """A rankexec component that serves Flower messages (see the module docs)."""
+
+    def __init__(self) -> None:
+        self._apps: dict[tuple[str, str, str], Any] = {}
+        atexit.register(_exit_after_close)
+
+    def _app(self, ref: dict[str, Any]) -> Any:
+        key = (ref["app_dir"], ref["module"], ref["attr"])
+        app = self._apps.get(key)
+        if app is None:
+            if ref["app_dir"] and ref["app_dir"] not in sys.path:
+                sys.path.insert(0, ref["app_dir"])
+            module = importlib.import_module(ref["module"])
+            app = getattr(module, ref["attr"])
+            self._apps[key] = app
+        return app
+
+    def handle_event(self, event: str, ctx: Any) -> None:
+        """``_end_run`` (the host closes the group): leave torch's process group, if the
+        app made one, so that the rank exits at once."""
+        global _closing
+        del ctx
+        if event != "_end_run":
+            return
+        _closing = True
+        if "torch.distributed" in sys.modules:
+            dist = sys.modules["torch.distributed"]
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def execute(self, task: str, input: Any, ctx: Any, abort: Any) -> rankexec.Shareable:
+        del task
+        from flwr.clientapp import ClientApp as FlowerClientApp
+        from flwr.supercore.task_identity import TaskIdentity
+
+        spec = _codec.unpack(input.blobs[_codec.SPEC_BLOB])
+        app = self._app(spec["app"])
+        message = _codec.decode_message(spec["message"], input.blobs)
+        context = _codec.decode_context(spec["context"], input.blobs)
+        TaskIdentity.run_id = message.metadata.run_id
+        TaskIdentity.node_id = context.node_id
+        TaskIdentity.task_id = spec.get("task_id") or 0
+        _state.current_abort = abort
+        try:
+            reply = FlowerClientApp.__call__(app, message, context)
+        finally:
+            _state.current_abort = None
+        if ctx.rank != 0:
+            return rankexec.Shareable(meta={"rank": ctx.rank})
+        blobs: dict[str, Any] = {}
+        out = {
+            "reply": _codec.encode_message(reply, blobs, "r"),
+            "state": _codec.encode_records(context.state, "q", blobs),
+        }
+        blobs[_codec.SPEC_BLOB] = _codec.pack(out)
+        return rankexec.Shareable(meta={"rank": 0}, blobs=blobs)

@@ -1,0 +1,169 @@
+"""rankexec.flower under Flower's real Deployment Engine (flwr 1.42), offline.
+
+One SuperLink and two SuperNodes (``--insecure``, a private ``FLWR_HOME``, free ports,
+telemetry and update checks off) serve three runs of ``examples/flower/ddp-digits``
+(two DDP ranks per node, gloo, FedAvg):
+
+1. the example: held-out accuracy >= 0.95, every node's ranks the same pids in every
+   round, every group closed by the ServerApp's ``close_groups`` at the end;
+2. a rank that raises: the node answers with Flower's ``Error`` naming the rank and
+   the exception, the next round runs on a relaunched group;
+3. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
+   run mid-round (the other node's task is aborted and its group closes).
+
+Every Flower process is stopped by pid afterwards, and no process that carries the
+test's folder in its environment is left. What each case saw is printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+from rankexec.flower import host_status
+from rankexec.flower.deployment import Deployment
+
+from .helpers import pid_alive, pids_with_env, wait_until
+
+REPO = Path(__file__).resolve().parents[3]
+APP = REPO / "examples" / "flower" / "ddp-digits"
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("flower")
+    d = Deployment(
+        root,
+        ["partition-id=0 num-partitions=2", "partition-id=1 num-partitions=2"],
+        env={"RANKEXEC_FLOWER_DIR": str(root / "rx"), "RANKEXEC_LOG": "warn"},
+    )
+    try:
+        d.start()
+        yield d
+    finally:
+        d.stop()
+        try:
+            wait_until(lambda: not pids_with_env(str(root)), 30, "no process of the test left")
+        finally:
+            left = pids_with_env(str(root))
+            for pid in left:  # never leave anything behind, even when the test fails
+                os.kill(pid, signal.SIGKILL)
+        print(f"\n[flower] after stop: {len(left)} processes left")
+
+
+def _nodes(dep: Deployment) -> list[int]:
+    return sorted(int(p.name.split("-", 1)[1]) for p in (dep.root / "rx").glob("node-*"))
+
+
+def _ranks(node: int) -> list[int]:
+    return pids_with_env(f"node-{node}/run-")
+
+
+def _result(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_ddp_digits_keeps_its_ranks_across_rounds(dep: Deployment) -> None:
+    out = dep.root / "result-1.json"
+    t0 = time.monotonic()
+    run = dep.submit(APP, {"result-file": str(out), "num-server-rounds": 3})
+    status = dep.wait_run(run, 300)
+    res = _result(out)
+    print(
+        f"\n[flower] run {run}: {status} in {time.monotonic() - t0:.1f}s,"
+        f" held-out accuracy {res['accuracy']:.4f}"
+    )
+    assert status == "finished:completed"
+    assert res["accuracy"] >= 0.95
+    per_round = [sorted(tuple(r["pids"]) for r in replies) for replies in res["replies"]]
+    print(f"[flower] rank pids per round (one pair per node): {per_round}")
+    assert len(per_round) == 3 and all(len(r) == 2 for r in per_round)
+    assert all(len(p) == 2 for p in per_round[0]), "two ranks per node"
+    assert per_round[0] == per_round[1] == per_round[2], "the same ranks in every round"
+    assert all(res["closed"].values()) and len(res["closed"]) == 2
+    pids = [p for pair in per_round[0] for p in pair]
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "ranks gone after the run")
+
+
+def test_a_raising_rank_answers_an_error_and_the_group_is_relaunched(dep: Deployment) -> None:
+    out = dep.root / "result-2.json"
+    run = dep.submit(
+        APP,
+        {
+            "result-file": str(out),
+            "num-server-rounds": 2,
+            "raise-round": 1,
+            "raise-rank": 1,
+            "raise-partition": 0,
+        },
+    )
+    status = dep.wait_run(run, 300)
+    res = _result(out)
+    print(f"\n[flower] run {run}: {status}; errors per round: {res['errors']}")
+    assert status == "finished:completed"
+    (reason,) = res["errors"][0]
+    assert "rank 1" in reason and "RuntimeError" in reason and "raises in round 1" in reason
+    assert res["errors"][1] == []
+    assert len(res["replies"][0]) == 1 and len(res["replies"][1]) == 2
+    survivor = res["replies"][0][0]["pids"]
+    later = [r["pids"] for r in res["replies"][1]]
+    assert survivor in later, "the other node kept its ranks"
+    relaunched = next(p for p in later if p != survivor)
+    print(f"[flower] the failed node's new ranks: {relaunched}")
+    wait_until(lambda: not any(pid_alive(p) for p in relaunched), 30, "ranks gone")
+
+
+def test_sigkilled_supernode_and_flwr_stop_leave_nothing(dep: Deployment) -> None:
+    run = dep.submit(APP, {"num-server-rounds": 2, "slow-s": 120.0})
+    nodes: list[int] = []
+
+    def both_busy() -> bool:
+        nodes[:] = _nodes(dep)
+        st = [host_status_in(dep, n) for n in nodes]
+        return len(st) == 2 and all(s is not None and s["busy"] for s in st)
+
+    wait_until(both_busy, 180, "both nodes' groups busy with the slow round")
+    by_node = {n: host_status_in(dep, n) for n in nodes}
+    print(f"\n[flower] run {run} busy: {by_node}")
+
+    # 1. SIGKILL the second SuperNode: its host sees it gone, closes its group, exits.
+    killed = dep.kill_supernode(1)
+    victim = next(n for n, s in by_node.items() if s["supernode_pid"] == killed)
+    gone = by_node[victim]["pids"] + [by_node[victim]["pid"]]
+    t = time.monotonic()
+    wait_until(lambda: not any(pid_alive(p) for p in gone), 30, "the killed node's host/ranks")
+    print(
+        f"[flower] SuperNode {killed} SIGKILLed: host and ranks {gone} gone in"
+        f" {time.monotonic() - t:.1f}s"
+    )
+
+    # 2. flwr stop: the other node's task in flight is aborted, its group closes.
+    other = next(n for n in nodes if n != victim)
+    ranks = by_node[other]["pids"]
+    t = time.monotonic()
+    res = dep.stop_run(run)
+    assert res.returncode == 0, res.stdout + res.stderr
+    wait_until(lambda: not any(pid_alive(p) for p in ranks), 30, "the stopped run's ranks")
+    print(f"[flower] flwr stop: ranks {ranks} gone in {time.monotonic() - t:.1f}s")
+    assert host_status_in(dep, other)["pids"] == []
+
+
+def host_status_in(dep: Deployment, node: int) -> dict | None:
+    old = os.environ.get("RANKEXEC_FLOWER_DIR")
+    os.environ["RANKEXEC_FLOWER_DIR"] = str(dep.root / "rx")
+    try:
+        return host_status(node)
+    finally:
+        if old is None:
+            del os.environ["RANKEXEC_FLOWER_DIR"]
+        else:
+            os.environ["RANKEXEC_FLOWER_DIR"] = old

@@ -1,0 +1,149 @@
+"""rankexec.flower's pieces without a federation: the message codec, zero-copy array
+views, the authenticated channel and the site's rules. Real sockets, real Flower
+records; seconds."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.supercore.task_identity import TaskIdentity
+
+from rankexec.flower import _channel, _codec, _site, ndarrays
+
+
+@pytest.fixture(autouse=True)
+def _identity() -> None:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 3, 11
+
+
+def test_message_and_context_round_trip_with_arrays_as_views() -> None:
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord([w, np.ones(5, np.int64)]),
+            "config": ConfigRecord({"lr": 0.1, "name": "x", "raw": b"\x00\x01", "l": [1, 2]}),
+            "metrics": MetricRecord({"n": 3, "acc": [0.5, 0.75]}),
+        }
+    )
+    msg = Message(content, dst_node_id=5, message_type="train.custom")
+    ctx = Context(7, 3, {"partition-id": 1}, RecordDict({"s": ConfigRecord({"k": 1})}), {"a": 2})
+    blobs: dict = {}
+    spec = _codec.encode_message(msg, blobs)
+    cspec = _codec.encode_context(ctx, blobs)
+    # What the ranks get: the spec pickled, the arrays' bytes as buffers.
+    shared = {k: memoryview(bytes(v)) for k, v in blobs.items()}
+    back = _codec.decode_message(_codec.unpack(_codec.pack(spec)), shared)
+    cback = _codec.decode_context(_codec.unpack(_codec.pack(cspec)), shared)
+    assert back.metadata == msg.metadata
+    assert dict(back.content["config"]) == dict(content["config"])
+    assert dict(back.content["metrics"]) == dict(content["metrics"])
+    got = back.content["arrays"].to_numpy_ndarrays()
+    np.testing.assert_array_equal(got[0], w)
+    views = ndarrays(back.content["arrays"])
+    np.testing.assert_array_equal(views[0], w)
+    assert not views[0].flags.writeable and not views[0].flags.owndata
+    assert cback.node_config == {"partition-id": 1} and cback.run_config == {"a": 2}
+    assert dict(cback.state["s"]) == {"k": 1}
+    reply = Message(RecordDict({"m": MetricRecord({"x": 1})}), reply_to=back)
+    assert reply.metadata.reply_to_message_id == msg.metadata.message_id
+
+
+def _serve_once(
+    directory: Path, secret: bytes, result: list
+) -> tuple[socket.socket, threading.Thread]:
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(directory / "host.sock"))
+    srv.listen(1)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            try:
+                _channel.accept_auth(conn, secret)
+                req = _channel.recv(conn)
+                _channel.send(conn, {"echo": req})
+                result.append("ok")
+            except _channel.ChannelError as e:
+                result.append(f"refused: {e}")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return srv, t
+
+
+def test_channel_authenticates_and_moves_buffers(tmp_path: Path) -> None:
+    d = _channel.private_dir(tmp_path / "node-1")
+    secret = _channel.write_secret(d / "secret")
+    assert (d / "secret").stat().st_mode & 0o777 == 0o600
+    result: list = []
+    srv, t = _serve_once(d, secret, result)
+    with srv, _channel.connect(d) as sock:
+        import pickle
+
+        big = np.arange(1 << 16, dtype=np.float64)
+        _channel.send(sock, {"x": 1, "b": pickle.PickleBuffer(big)})
+        out = _channel.recv(sock)
+    t.join(10)
+    assert out["echo"]["x"] == 1
+    assert np.array_equal(np.frombuffer(out["echo"]["b"], np.float64), big)
+    assert result == ["ok"]
+
+
+def test_channel_refuses_a_wrong_secret(tmp_path: Path) -> None:
+    d = _channel.private_dir(tmp_path / "node-2")
+    _channel.write_secret(d / "secret")
+    result: list = []
+    srv, t = _serve_once(d, b"another launch's secret".ljust(32, b"!"), result)
+    with srv, pytest.raises(_channel.ChannelError):
+        _channel.connect(d)
+    t.join(10)
+    assert result and result[0].startswith("refused")
+    # The client's answer is the HMAC of the host's nonce, never the secret itself.
+    assert hmac.new(b"k", b"n", hashlib.sha256).digest() != b"k"
+
+
+def test_a_directory_open_to_others_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    with pytest.raises(_channel.ChannelError, match="open to other users"):
+        _channel.private_dir(d)
+
+
+def test_the_site_decides_launcher_gpus_program_and_size(tmp_path: Path) -> None:
+    site_file = tmp_path / "site.json"
+    site_file.write_text(
+        '{"python": "/opt/py/bin/python", "env": {"set": {"A": "1"}},'
+        ' "max_processes": 4, "gpu": {"devices": ["0", "1"]}}'
+    )
+    site = _site.load({"rankexec-site": str(site_file)})
+    app = {"num_of_processes": 2, "gpu": {"mode": "per_rank", "devices": ["7"]}}
+    cfg = _site.group_config(site, app, "/logs")
+    assert cfg["worker"]["program"] == "/opt/py/bin/python"
+    assert cfg["gpu"] == {"mode": "per_rank", "devices": ["0", "1"]}
+    assert cfg["env"] == {"set": {"A": "1"}} and cfg["num_of_processes"] == 2
+    with pytest.raises(_site.SiteError, match="allows 1 to 4"):
+        _site.group_config(site, {"num_of_processes": 8}, "/logs")
+    with pytest.raises(_site.SiteError, match="torchrun"):
+        _site.group_config(site, {"launcher": {"torchrun": {}}}, "/logs")
+    site = _site.load({"rankexec-launcher": "torchrun", "rankexec-gpus": "2,3"})
+    cfg = _site.group_config(site, {"launcher": "builtin"}, "/logs")
+    assert cfg["launcher"] == "torchrun" and cfg["gpu"] == {"devices": ["2", "3"]}
