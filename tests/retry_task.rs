@@ -50,10 +50,16 @@ fn a_rank_killed_once_costs_a_retry_not_the_task() {
     let killer = kill_when_sleeping(&logs.path().join("rank-1/stderr.log"), victim);
     let outcome = run(&exec, &mut ctx).expect("the retry succeeds");
     killer.join().unwrap();
-    assert_eq!(outcome.output.meta("slept").and_then(|v| v.as_f64()), Some(2.0));
+    assert_eq!(
+        outcome.output.meta("slept").and_then(|v| v.as_f64()),
+        Some(2.0)
+    );
     assert_eq!(outcome.retries.len(), 1, "{:?}", outcome.retries);
     let r = &outcome.retries[0];
-    assert_eq!((r.attempt, r.failure.rank, r.failure.pid), (1, 1, Some(victim)));
+    assert_eq!(
+        (r.attempt, r.failure.rank, r.failure.pid),
+        (1, 1, Some(victim))
+    );
     assert!(
         r.to_string().contains("killed by signal 9 (SIGKILL)"),
         "{r}"
@@ -99,7 +105,11 @@ fn a_rank_that_dies_on_every_try_ends_the_task_naming_every_cause() {
         text.starts_with("retried 2 times after ranks died (try 1: rank 1: pid "),
         "{text}"
     );
-    assert_eq!(text.matches("killed by signal 9 (SIGKILL)").count(), 3, "{text}");
+    assert_eq!(
+        text.matches("killed by signal 9 (SIGKILL)").count(),
+        3,
+        "{text}"
+    );
     assert!(text.contains("; try 2: rank 1: pid "), "{text}");
     assert!(text.contains("the last try: rank 1 failed: pid "), "{text}");
     eprintln!("{text}");
@@ -154,4 +164,33 @@ fn with_the_retry_off_a_death_fails_the_task() {
     };
     assert_eq!((failure.rank, failure.pid), (1, Some(victim)));
     assert!(chain(&err).contains("killed by signal 9 (SIGKILL)"));
+}
+
+#[test]
+fn a_rank_killed_between_tasks_costs_the_next_task_nothing() {
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = config(2, "Sleep", serde_json::json!({"secs": 0.1}), logs.path());
+    cfg.restart.retry_task = 1;
+    let exec = MultiProcessExecutor::new(cfg).unwrap();
+    let mut ctx = start(&exec);
+    let first = exec.live_pids();
+    kill(Pid::from_raw(first[1] as i32), Sig::SIGKILL).expect("kill");
+    // The idle group notices and is torn down (nobody waits for it).
+    assert_gone(&first, "the idle group");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while exec.status().phase != "idle" {
+        assert!(
+            Instant::now() < deadline,
+            "the dead group was never torn down"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let outcome = run(&exec, &mut ctx).expect("the next task runs on a new group");
+    assert_eq!(outcome.retries.len(), 1, "{:?}", outcome.retries);
+    let r = &outcome.retries[0];
+    assert_eq!((r.attempt, r.failure.rank), (0, 1));
+    assert!(
+        r.to_string().starts_with("before the task: rank 1: pid "),
+        "{r}"
+    );
 }

@@ -174,7 +174,8 @@ impl RankFailure {
 /// again on a relaunched group (`restart.retry_task`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskRetry {
-    /// Which try failed (1: the first run).
+    /// Which try failed (1: the first run). 0: the rank died between tasks, before
+    /// this task began; it ran on a relaunched group instead of failing.
     pub attempt: u32,
     /// The death that ended it.
     pub failure: RankFailure,
@@ -182,11 +183,14 @@ pub struct TaskRetry {
 
 impl fmt::Display for TaskRetry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "try {}: rank {}: {}",
-            self.attempt, self.failure.rank, self.failure
-        )
+        match self.attempt {
+            0 => write!(
+                f,
+                "before the task: rank {}: {}",
+                self.failure.rank, self.failure
+            ),
+            n => write!(f, "try {n}: rank {}: {}", self.failure.rank, self.failure),
+        }
     }
 }
 

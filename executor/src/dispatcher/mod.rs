@@ -17,7 +17,8 @@
 //! Teardown is all-or-nothing (torchrun's rule): any rank failure stops the whole group,
 //! and the task, event or start-up waiting on it gets the error only once every process
 //! is gone. A failure while idle is reported to the next task; the task after that
-//! relaunches the group if the restart policy allows.
+//! relaunches the group if the restart policy allows. With `restart.retry_task`, a
+//! rank's death from outside costs a retry instead (see `retry`).
 //!
 //! # Files
 //!

@@ -8,6 +8,10 @@
 //! queue (`After::RetryTask`), where it waits for the relaunch like any task after a
 //! failure (the back-off applies and the relaunch counts against `max_restarts`).
 //!
+//! A death while no task runs (between tasks) would fail the next task at once; with
+//! retries, that task runs on the relaunched group instead, and its answer names the
+//! death as try 0 (`absorb_idle_death`).
+//!
 //! Caveat: when one rank dies, the others often fail first in a collective (gloo's
 //! "connection closed by peer"), and with `rank0_only` rank 0's error alone completes
 //! the task. So a task that failed while a retry is possible waits up to
@@ -20,7 +24,7 @@ use std::time::Instant;
 use rankexec_protocol::ErrorClass;
 use tracing::{info, warn};
 
-use crate::error::{RankFailure, TaskRetry};
+use crate::error::{ExecuteError, RankFailure, TaskRetry};
 
 use super::state::*;
 
@@ -65,15 +69,37 @@ impl Dispatcher {
         true
     }
 
+    /// A death while no task ran is kept for the next task (`deferred`); with retries
+    /// and a death from outside, that task runs on a relaunched group instead of failing
+    /// with it, and its answer names the death (as try 0: before the task). `None`: the
+    /// task goes on; else the error it is answered with.
+    pub(super) fn absorb_idle_death(
+        &self,
+        c: &mut ExecuteCmd,
+        err: ExecuteError,
+    ) -> Option<ExecuteError> {
+        let retry_left = c.reply.retries.len() < self.cfg.restart.retry_task as usize;
+        match &err {
+            ExecuteError::RankFailed { failure, .. } if retry_left && failure.from_outside() => {
+                info!(
+                    task = %c.task,
+                    "rank {} died from outside before the task ({failure}); running it on a relaunched group",
+                    failure.rank
+                );
+                c.reply.retries.push(TaskRetry {
+                    attempt: 0,
+                    failure: (**failure).clone(),
+                });
+                None
+            }
+            _ => Some(err),
+        }
+    }
+
     /// What happens to the task in flight when rank failure `f` stops the group:
     /// retried when `f` is a death from outside and a retry is possible, else answered
     /// with `err`.
-    pub(super) fn retry_or_fail(
-        &mut self,
-        t: TaskOp,
-        f: &RankFailure,
-        err: crate::error::ExecuteError,
-    ) -> After {
+    pub(super) fn retry_or_fail(&mut self, t: TaskOp, f: &RankFailure, err: ExecuteError) -> After {
         if !(f.from_outside() && self.may_retry(&t, Instant::now())) {
             self.last_failure = Some(err.clone());
             return After::FailTask(t.cmd.reply, err);
@@ -84,7 +110,8 @@ impl Dispatcher {
             span,
             ..
         } = t;
-        let attempt = c.reply.retries.len() as u32 + 1;
+        // Try 0 (a death before the task) is not one of its tries.
+        let attempt = c.reply.retries.iter().filter(|r| r.attempt > 0).count() as u32 + 1;
         span.in_scope(|| {
             warn!(
                 attempt,

@@ -31,12 +31,14 @@ pub(super) fn bytes_to_copy(input: &Shareable, inline_links: bool) -> u64 {
 }
 
 impl Dispatcher {
-    pub(super) fn cmd_execute(&mut self, c: ExecuteCmd) {
+    pub(super) fn cmd_execute(&mut self, mut c: ExecuteCmd) {
         if self.finalized {
             let _ = c.reply.send(Err(ExecuteError::Finalized));
             return;
         }
-        if let Some(err) = self.deferred.take() {
+        if let Some(err) = self.deferred.take()
+            && let Some(err) = self.absorb_idle_death(&mut c, err)
+        {
             let _ = c.reply.send(Err(err));
             return;
         }

@@ -440,9 +440,7 @@ class MultiProcessExecutor(Executor):
             self.log_error(fl_ctx, f"task {task_name} failed: {e}")
             return self._retried(self._failed(str(e)), e.retries)
         if result.retries:
-            causes = "; ".join(
-                f"try {r['attempt']}: rank {r['rank']}: {r['cause']}" for r in result.retries
-            )
+            causes = "; ".join(_describe_retry(r) for r in result.retries)
             self.log_warning(
                 fl_ctx,
                 f"task {task_name} succeeded after {len(result.retries)} "
@@ -517,3 +515,9 @@ class MultiProcessExecutor(Executor):
         reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
         reply.set_header(ERROR_HEADER, error)
         return reply
+
+
+def _describe_retry(r: dict[str, Any]) -> str:
+    """One try a rank's death ended, as the executor's errors write it."""
+    when = f"try {r['attempt']}" if r["attempt"] else "before the task"
+    return f"{when}: rank {r['rank']}: {r['cause']}"
