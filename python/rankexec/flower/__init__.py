@@ -263,6 +263,23 @@ class ClientApp(FlowerClientApp):
         """Forwards the message to the node's rank group; returns rank 0's reply."""
         if message.metadata.message_type == CLOSE_MESSAGE_TYPE:
             return self._close(message, context)
+        t_call = time.time()
+        reply = self._forward(message, context)
+        timings = os.environ.get("RANKEXEC_FLOWER_TIMINGS")
+        if timings:  # an opt-in diagnostic (benchmarks/flower/bench.py reads it)
+            with open(timings, "a") as f:
+                rec = {
+                    "run_id": context.run_id,
+                    "node_id": context.node_id,
+                    "message_type": message.metadata.message_type,
+                    "created_at": message.metadata.created_at,
+                    "call": t_call,
+                    "reply": time.time(),
+                }
+                f.write(json.dumps(rec) + "\n")
+        return reply
+
+    def _forward(self, message: Message, context: Context) -> Message:
         from flwr.supercore.task_identity import TaskIdentity
 
         try:

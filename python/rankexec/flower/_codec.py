@@ -29,6 +29,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.app.message.message import make_message  # Message from its metadata
 
 __all__ = [
     "SPEC_BLOB",
@@ -66,7 +67,7 @@ def encode_records(rd: RecordDict, prefix: str, blobs: dict[str, Any]) -> list[A
 def _array(dtype: str, shape: tuple[int, ...], stype: str, data: Any) -> Array:
     arr = Array(dtype=dtype, shape=tuple(shape), stype=stype, data=b"")
     # Flower's constructor insists on `bytes`; every reader takes any buffer.
-    arr.data = data if isinstance(data, bytes) else memoryview(data)
+    arr.data = data if isinstance(data, bytes) else memoryview(data)  # type: ignore[assignment]
     return arr
 
 
@@ -99,8 +100,8 @@ def encode_message(msg: Message, blobs: dict[str, Any], prefix: str = "m") -> di
 def decode_message(spec: dict[str, Any], blobs: dict[str, Any]) -> Message:
     if "error" in spec:
         code, reason = spec["error"]
-        return Message(metadata=spec["metadata"], error=Error(code=code, reason=reason))
-    return Message(metadata=spec["metadata"], content=decode_records(spec["content"], blobs))
+        return make_message(spec["metadata"], error=Error(code=code, reason=reason))
+    return make_message(spec["metadata"], content=decode_records(spec["content"], blobs))
 
 
 def encode_context(ctx: Context, blobs: dict[str, Any], prefix: str = "s") -> dict[str, Any]:

@@ -87,6 +87,13 @@ class FlowerRank:
         _state.current_abort = abort
         try:
             reply = FlowerClientApp.__call__(app, message, context)
+        except Exception as e:
+            if abort.triggered:
+                # Stopped because the group was aborted (a peer failed, the run was
+                # stopped): not a cause of its own, so the first failure stays the one
+                # the reply names.
+                raise rankexec.TaskAborted(abort.reason or "aborted") from e
+            raise
         finally:
             _state.current_abort = None
         if ctx.rank != 0:

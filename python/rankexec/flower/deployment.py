@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rankexec.flower import _control
+
 __all__ = ["Deployment", "DeploymentError", "free_port"]
 
 
@@ -129,7 +131,7 @@ class Deployment:
         while not self._nodes_online():
             for p in [self.superlink, *self.supernodes]:
                 if p.poll() is not None:
-                    raise DeploymentError(f"{p.args[0]} exited ({p.returncode})\n{self.log_tail()}")
+                    raise DeploymentError(f"{p.args!r} exited ({p.returncode})\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise DeploymentError(f"the federation did not come up\n{self.log_tail()}")
             time.sleep(0.5)
@@ -146,15 +148,8 @@ class Deployment:
         )
 
     def _nodes_online(self) -> bool:
-        res = self.flwr("supernode", "list", "dep", "--format", "json", timeout=60)
-        if res.returncode != 0:
-            return False
-        try:
-            nodes = json.loads(res.stdout).get("nodes", [])
-        except ValueError:
-            return False
-        online = [n for n in nodes if str(n.get("status", "")).lower() == "online"]
-        return len(online) >= len(self.node_configs)
+        n = _control.online_nodes(f"127.0.0.1:{self.port}")
+        return n is not None and n >= len(self.node_configs)
 
     def submit(self, app_dir: Path, run_config: dict[str, Any] | None = None) -> int:
         """``flwr run APP dep``; returns the run id."""
@@ -173,12 +168,8 @@ class Deployment:
         return int(m.group(1))
 
     def status(self, run_id: int) -> str:
-        res = self.flwr("list", "dep", "--run-id", str(run_id), "--format", "json", timeout=60)
-        try:
-            runs = json.loads(res.stdout).get("runs", [])
-        except ValueError:
-            return ""
-        return str(runs[0].get("status", "")) if runs else ""
+        """``running``, ``finished:completed``, ``finished:stopped``... (``""``: unknown)."""
+        return _control.run_status(f"127.0.0.1:{self.port}", run_id) or ""
 
     def wait_run(self, run_id: int, timeout: float) -> str:
         """Waits until the run is finished; returns its status line (``finished:completed``...)."""
@@ -193,7 +184,7 @@ class Deployment:
                 raise DeploymentError(
                     f"run {run_id} still {st!r} after {timeout}s\n{self.log_tail()}"
                 )
-            time.sleep(1.0)
+            time.sleep(0.5)
 
     def run_log(self, run_id: int) -> str:
         """The run's ServerApp log (``flwr log RUN dep --show``)."""

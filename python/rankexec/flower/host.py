@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower import _channel
+from rankexec.flower import _channel, _control
 
 __all__ = ["Host", "main"]
 
@@ -62,38 +62,6 @@ def _pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return False
-
-
-def run_status(superlink: str, run_id: int) -> str | None:
-    """The run's status on an insecure SuperLink ("running", "finished", ...), or None
-    when it cannot be asked."""
-    try:
-        from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
-        from flwr.proto.control_pb2 import ListRunsRequest
-        from flwr.supercore.control.control_http_client import ControlHttpClient
-        from flwr.supercore.interceptors.http.runtime_version import (
-            RuntimeVersionHttpInterceptor,
-        )
-
-        client = ControlHttpClient.from_server_address(
-            server_address=superlink,
-            insecure=True,
-            root_certificates=None,
-            interceptors=[
-                CliClientHttpInterceptor(),
-                RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
-            ],
-        )
-        try:
-            res = client.ListRuns(ListRunsRequest(run_id=run_id))
-        finally:
-            with contextlib.suppress(Exception):
-                client.close()
-        run = res.run_dict.get(run_id)
-        return None if run is None else str(run.status.status)
-    except Exception as e:  # noqa: BLE001 - the lease still covers it
-        _log(f"cannot ask {superlink} about run {run_id}: {type(e).__name__}: {e}")
-        return None
 
 
 class Host:
@@ -172,7 +140,12 @@ class Host:
             except (RankFailed, StartupFailed) as e:
                 rank = getattr(e, "rank", None)
                 pid = getattr(e, "pid", None)
-                cause = getattr(e, "remote_message", None) or getattr(e, "cause", None) or str(e)
+                remote = getattr(e, "remote_message", None)
+                cause = getattr(e, "cause", None) or str(e)
+                if remote:
+                    # The rank's traceback: its last line first (the exception), then all.
+                    lines = [ln for ln in str(remote).strip().splitlines() if ln.strip()]
+                    cause = f"{lines[-1].strip()}\n{remote}" if lines else cause
                 self._close_group(f"rank {rank} failed")
                 return {"error": str(cause), "rank": rank, "pid": pid, "kind": type(e).__name__}
             except Aborted as e:
@@ -238,8 +211,8 @@ class Host:
             now = time.monotonic()
             if self.group is not None and self.superlink and self.run_id and now >= next_status:
                 next_status = now + 2.0
-                status = run_status(self.superlink, self.run_id)
-                if status == "finished":
+                status = _control.run_status(self.superlink, self.run_id)
+                if status is not None and status.startswith("finished"):
                     self._run_ended(f"run {self.run_id} is finished (flwr stop or its end)")
             if not self.busy and now - self.last_active > self.lease_s:
                 if self.group is not None:
