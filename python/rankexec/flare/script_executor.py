@@ -134,8 +134,11 @@ class ScriptExecutor(MultiProcessExecutor):
         super().__init__(
             num_of_processes=num_of_processes,
             rank_component="client_api_script",
-            # A script's own end (saving, destroy_process_group) follows the close.
-            deadlines={"shutdown_grace": "30s", **(deadlines or {})},
+            # A script's own end (saving, destroy_process_group) follows the close. An
+            # aborted task is another matter: a Client API script sees the abort only
+            # at its next receive()/send() (FLARE's own executor terminates it at
+            # once), so its ranks get 1 s to answer before the group is killed.
+            deadlines={"shutdown_grace": "30s", "abort_grace": "1s", **(deadlines or {})},
             gpu=gpu,
             resources=resources,
             launcher=launcher,
