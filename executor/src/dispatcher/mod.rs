@@ -31,12 +31,14 @@
 //! - `failure`: failure reports and failing what is in flight.
 //! - `retry`: running a task again after a rank's death from outside.
 //! - `teardown`: the teardown ladder and finalize.
-//! - `tests`: transitions driven without processes.
+//! - `tests`, `retry_tests`: transitions driven without processes.
 
 mod event;
 mod failure;
 mod launch;
 mod retry;
+#[cfg(test)]
+mod retry_tests;
 mod run;
 mod startup;
 mod state;

@@ -58,7 +58,8 @@ impl Dispatcher {
             return false;
         }
         if let Some(t) = &mut self.task {
-            t.settle = Some(now + SETTLE_GRACE);
+            // Never past the task's deadline (the error is then the answer).
+            t.settle = Some((now + SETTLE_GRACE).min(t.deadline));
             t.span.in_scope(|| {
                 info!(
                     grace_ms = SETTLE_GRACE.as_millis() as u64,

@@ -127,8 +127,11 @@ impl Dispatcher {
         }
         if let Some(t) = &self.task {
             ds.push(t.deadline);
-            ds.extend(t.settle);
-            ds.extend(t.aborting.as_ref().map(|a| a.deadline));
+            match t.settle {
+                // Every rank has answered a held task: no abort grace runs for it.
+                Some(settle) => ds.push(settle),
+                None => ds.extend(t.aborting.as_ref().map(|a| a.deadline)),
+            }
         }
         ds.extend(self.events.values().map(|e| e.deadline));
         ds.into_iter().min()
@@ -190,7 +193,9 @@ impl Dispatcher {
                 self.complete_task();
                 return;
             }
+            // Every rank has answered a held task: no abort grace runs for it.
             if let Some(a) = &t.aborting
+                && t.settle.is_none()
                 && now >= a.deadline
             {
                 self.force_abort();

@@ -23,9 +23,9 @@ use crate::group::watch::ExitWatcher;
 use crate::session::link::{LinkEvent, RankLink};
 use crate::units::Dur;
 
-type ExecReply = Receiver<super::state::TaskAnswer>;
+pub(super) type ExecReply = Receiver<super::state::TaskAnswer>;
 
-fn dispatcher(n: u32) -> Dispatcher {
+pub(super) fn dispatcher(n: u32) -> Dispatcher {
     let mut cfg = ExecutorConfig::simple(n, "Echo", serde_json::Value::Null);
     // Long enough never to fire unless a test moves time past it.
     cfg.deadlines.heartbeat_timeout = Dur(Duration::from_secs(3600));
@@ -37,7 +37,7 @@ fn dispatcher(n: u32) -> Dispatcher {
 
 /// Installs a ready group whose ranks are not processes: nothing is sent anywhere, and
 /// a teardown finds every process gone at once.
-fn ready_group(d: &mut Dispatcher) -> u64 {
+pub(super) fn ready_group(d: &mut Dispatcher) -> u64 {
     d.generation += 1;
     let generation = d.generation;
     let world = d.cfg.num_of_processes;
@@ -74,11 +74,11 @@ fn ready_group(d: &mut Dispatcher) -> u64 {
     generation
 }
 
-fn execute(d: &mut Dispatcher, abort: &Signal) -> ExecReply {
+pub(super) fn execute(d: &mut Dispatcher, abort: &Signal) -> ExecReply {
     execute_with(d, abort, Shareable::new().with_meta("x", 1))
 }
 
-fn execute_with(d: &mut Dispatcher, abort: &Signal, input: Shareable) -> ExecReply {
+pub(super) fn execute_with(d: &mut Dispatcher, abort: &Signal, input: Shareable) -> ExecReply {
     let (reply, rx) = bounded(1);
     d.on_command(Command::Execute(ExecuteCmd {
         task: "train".into(),
@@ -94,7 +94,7 @@ fn execute_with(d: &mut Dispatcher, abort: &Signal, input: Shareable) -> ExecRep
 }
 
 /// Handles reports until `done` holds (a report comes from a helper thread).
-fn pump(d: &mut Dispatcher, done: impl Fn(&Dispatcher) -> bool) {
+pub(super) fn pump(d: &mut Dispatcher, done: impl Fn(&Dispatcher) -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !done(d) {
         let (generation, report) = d
@@ -106,14 +106,20 @@ fn pump(d: &mut Dispatcher, done: impl Fn(&Dispatcher) -> bool) {
 }
 
 /// Starts a task and waits until its frames went out.
-fn sent_task(d: &mut Dispatcher, abort: &Signal) -> (ExecReply, u64) {
+pub(super) fn sent_task(d: &mut Dispatcher, abort: &Signal) -> (ExecReply, u64) {
     let rx = execute(d, abort);
     pump(d, |d| d.task.as_ref().is_some_and(|t| t.sent.is_some()));
     let id = d.task.as_ref().map(|t| t.id).unwrap();
     (rx, id)
 }
 
-fn result(d: &mut Dispatcher, generation: u64, rank: u32, task_id: u64, class: ErrorClass) {
+pub(super) fn result(
+    d: &mut Dispatcher,
+    generation: u64,
+    rank: u32,
+    task_id: u64,
+    class: ErrorClass,
+) {
     d.on_report(
         generation,
         Report::Link {
@@ -129,7 +135,7 @@ fn result(d: &mut Dispatcher, generation: u64, rank: u32, task_id: u64, class: E
     );
 }
 
-fn answer<T>(rx: &Receiver<T>) -> T {
+pub(super) fn answer<T>(rx: &Receiver<T>) -> T {
     rx.try_recv().expect("the caller has its answer")
 }
 
