@@ -11,17 +11,23 @@ Variants (examples/flower/ddp-digits: FedAvg, 2 SuperNodes, digits MLP, 5 local 
 - ``single``: a plain Flower ClientApp training in its own process (client_single.py).
 
 Per variant, from the ServerApp's result file: time from a message's creation on the
-ServerApp to the handler's first line (first round; later rounds), the first round,
-the per-round overhead (a round's wall time minus its slowest node's training loop,
-rounds 2..N), the same overhead beyond the single-process ClientApp's, and the whole
-run (FedAvg's start to its end). Flower's own per-message costs (the SuperNode's 3 s
-poll, one ``flwr-clientapp`` process per message) are in every variant.
+ServerApp to the handler's first line, and from Flower's call of the ClientApp to the
+handler's first line (round 1; rounds 2..N); the first round; a later round; the
+per-round overhead in the ClientApp (call to reply minus the training loop, rounds
+2..N: what the ClientApp adds beyond training); a later round minus its training loop
+(Flower's own delivery included: the SuperNode's 3 s poll and one ``flwr-clientapp``
+process per message, in every variant); and the whole run (FedAvg's start to its end).
+
+rankexec's ClientApp logs each message's call and reply times when
+``RANKEXEC_FLOWER_TIMINGS`` names a file (set here); the plain variants put their
+handler's call and end times in their metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -62,24 +68,59 @@ def prepare(variant: str, dest: Path) -> Path:
     return dest
 
 
-def summarize(res: dict) -> dict:
+def summarize(res: dict, timings: list[dict]) -> dict:
+    """The figures of one variant's run (see the module docs). ``timings``: what
+    ``rankexec.flower.ClientApp`` logged per message (RANKEXEC_FLOWER_TIMINGS); the
+    plain variants carry their handler's call and end in their metrics instead."""
     ends = res["round_end"]
     starts = [res["started"], *ends[:-1]]
     round_s = [e - s for s, e in zip(starts, ends, strict=True)]
     compute = [max(r["compute_s"] for r in reps) for reps in res["replies"]]
-    arrival = [
+    created = [
         statistics.mean(r["t_first"] - r["created_at"] for r in reps)
         for reps in res["replies"]
     ]
+    # The ClientApp's own time per message beyond the training loop, and from its call
+    # to the handler's first line (the rank's, torchrun's script's, or the handler's).
+    own: list[list[float]] = []
+    to_first: list[list[float]] = []
+    for reps in res["replies"]:
+        o, f = [], []
+        for r in reps:
+            if "t_call" in r:
+                call, end = r["t_call"], r["t_end"]
+            else:
+                t = min(
+                    (
+                        t
+                        for t in timings
+                        if abs(t["created_at"] - r["created_at"]) < 1e-3
+                        and t["call"] <= r["t_first"] <= t["reply"]
+                    ),
+                    key=lambda t: t["call"],
+                )
+                call, end = t["call"], t["reply"]
+            o.append(end - call - r["compute_s"])
+            f.append(r["t_first"] - call)
+        own.append(o)
+        to_first.append(f)
     later = range(1, len(round_s))
+    flat = lambda xs: [x for i in later for x in xs[i]]
     return {
         "accuracy": res["accuracy"],
-        "arrival_to_first_line_round1_s": arrival[0],
-        "arrival_to_first_line_later_s": statistics.mean(arrival[i] for i in later),
+        "created_to_first_line_round1_s": created[0],
+        "created_to_first_line_later_s": statistics.mean(created[i] for i in later),
+        "call_to_first_line_round1_s": statistics.mean(to_first[0]),
+        "call_to_first_line_later_s": statistics.mean(flat(to_first)),
         "first_round_s": round_s[0],
         "round_s_later": statistics.mean(round_s[i] for i in later),
-        "overhead_per_round_s": statistics.mean(round_s[i] - compute[i] for i in later),
-        "training_loop_s_later": statistics.mean(compute[i] for i in later),
+        "round_minus_training_later_s": statistics.mean(
+            round_s[i] - compute[i] for i in later
+        ),
+        "clientapp_overhead_round1_s": statistics.mean(own[0]),
+        "clientapp_overhead_later_s": statistics.mean(flat(own)),
+        "clientapp_overhead_later_median_s": statistics.median(flat(own)),
+        "training_loop_later_s": statistics.mean(compute[i] for i in later),
         "run_s": res["ended"] - res["started"],
         "pids_per_round": [[r["pids"] for r in reps] for reps in res["replies"]],
     }
@@ -94,7 +135,11 @@ def main() -> int:
     dep = Deployment(
         root,
         ["partition-id=0 num-partitions=2", "partition-id=1 num-partitions=2"],
-        env={"RANKEXEC_FLOWER_DIR": str(root / "rx"), "RANKEXEC_LOG": "warn"},
+        env={
+            "RANKEXEC_FLOWER_DIR": str(root / "rx"),
+            "RANKEXEC_LOG": "warn",
+            "RANKEXEC_FLOWER_TIMINGS": str(root / "timings.jsonl"),
+        },
     )
     out: dict = {"rounds": a.rounds, "variants": {}}
     try:
@@ -112,7 +157,13 @@ def main() -> int:
             if status != "finished:completed":
                 print(dep.last_failure[-4000:])
                 raise SystemExit(f"{variant}: run {run} ended {status}")
-            s = summarize(json.loads(result.read_text()))
+            tpath = root / "timings.jsonl"
+            timings = (
+                [json.loads(ln) for ln in tpath.read_text().splitlines()]
+                if tpath.exists()
+                else []
+            )
+            s = summarize(json.loads(result.read_text()), timings)
             s["flwr_run_to_finished_s"] = wall
             out["variants"][variant] = s
             print(
@@ -123,49 +174,57 @@ def main() -> int:
         dep.stop()
         shutil.rmtree(root, ignore_errors=True)
     v = out["variants"]
-    single = v["single"]["overhead_per_round_s"]
-    for name in v:
-        v[name]["overhead_beyond_single_s"] = v[name]["overhead_per_round_s"] - single
     rx, tr = v["rankexec"], v["torchrun"]
-    out["ratio_overhead_torchrun_over_rankexec"] = (
-        tr["overhead_per_round_s"] / rx["overhead_per_round_s"]
-    )
-    beyond = max(rx["overhead_beyond_single_s"], 1e-3)
-    out["ratio_beyond_single_torchrun_over_rankexec"] = (
-        tr["overhead_beyond_single_s"] / beyond
-    )
+    for key in (
+        "clientapp_overhead_later_s",
+        "clientapp_overhead_later_median_s",
+        "round_minus_training_later_s",
+    ):
+        out[f"ratio_{key}_torchrun_over_rankexec"] = tr[key] / rx[key]
+    out["load_average_at_end"] = os.getloadavg()
     a.out.write_text(json.dumps(out, indent=2) + "\n")
-    print("| | rankexec | torchrun per message | single process |")
-    print("|---|---|---|---|")
+    names = list(VARIANTS)
+    print("| figure | " + " | ".join(names) + " | torchrun / rankexec |")
+    print("|---|" + "---|" * (len(names) + 1))
     rows = [
         (
-            "message created -> handler's first line, round 1",
-            "arrival_to_first_line_round1_s",
+            "message created on the ServerApp -> handler's first line, round 1",
+            "created_to_first_line_round1_s",
         ),
+        ("... rounds 2..N", "created_to_first_line_later_s"),
         (
-            "message created -> handler's first line, rounds 2..N",
-            "arrival_to_first_line_later_s",
+            "ClientApp called -> handler's first line, round 1",
+            "call_to_first_line_round1_s",
         ),
-        ("first round", "first_round_s"),
+        ("... rounds 2..N", "call_to_first_line_later_s"),
+        ("first round (FedAvg's start to its first aggregation)", "first_round_s"),
         ("a later round", "round_s_later"),
-        ("per-round overhead (round - training loop)", "overhead_per_round_s"),
         (
-            "per-round overhead beyond the single-process ClientApp",
-            "overhead_beyond_single_s",
+            "per-round overhead in the ClientApp (call to reply minus training loop), rounds 2..N, mean",
+            "clientapp_overhead_later_s",
         ),
-        ("whole run (FedAvg start to end)", "run_s"),
+        ("... its median", "clientapp_overhead_later_median_s"),
+        (
+            "a later round minus its training loop (Flower's delivery included)",
+            "round_minus_training_later_s",
+        ),
+        ("the training loop itself, rounds 2..N", "training_loop_later_s"),
+        ("whole run (FedAvg's start to its end)", "run_s"),
         ("held-out accuracy", "accuracy"),
     ]
     for label, key in rows:
         cells = [
-            f"{v[n][key]:.3f}" if key == "accuracy" else f"{v[n][key]:.2f} s"
-            for n in VARIANTS
+            f"{v[n][key]:.3f}" if key == "accuracy" else f"{v[n][key]:.3f} s"
+            for n in names
         ]
-        print(f"| {label} | " + " | ".join(cells) + " |")
-    print(
-        f"ratios (torchrun / rankexec): overhead {out['ratio_overhead_torchrun_over_rankexec']:.1f}x,"
-        f" beyond single {out['ratio_beyond_single_torchrun_over_rankexec']:.1f}x"
-    )
+        ratio = (
+            ""
+            if key == "accuracy"
+            else f"{tr[key] / rx[key]:.1f}x"
+            if rx[key] > 0
+            else ""
+        )
+        print(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
     return 0
 
 

@@ -50,6 +50,8 @@ def train(msg: Message, context: Context) -> Message:
             "compute_s": time.time() - t0,
         }
     )
+    metrics["t_call"] = t_first
+    metrics["t_end"] = time.time()
     content = RecordDict(
         {"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}
     )

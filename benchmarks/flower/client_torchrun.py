@@ -25,6 +25,7 @@ app = ClientApp()
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    t_call = time.time()
     import numpy as np
 
     arrays = msg.content["arrays"]
@@ -59,7 +60,8 @@ def train(msg: Message, context: Context) -> Message:
         state = {k: out[k] for k in arrays}
         m = json.loads((Path(d) / "metrics.json").read_text())
     m["created_at"] = float(msg.metadata.created_at)
-    m["handler_s"] = time.time()
+    m["t_call"] = t_call
+    m["t_end"] = time.time()
     record = ArrayRecord(array_dict={k: Array(v) for k, v in state.items()})
     content = RecordDict({"arrays": record, "metrics": MetricRecord(m)})
     return Message(content=content, reply_to=msg)

@@ -147,6 +147,10 @@ def _connect_or_start(directory: Path, node_id: int, site: Mapping[str, Any]) ->
         with contextlib.suppress(ChannelError):
             return _channel.connect(directory)
         supernode, link = _supernode()
+        if supernode is None and "ray" in sys.modules:
+            # The Simulation Engine: this Ray actor serves messages for the whole run;
+            # the host leaves with it.
+            supernode = os.getpid()
         link = site.get("superlink") or link
         argv = [
             sys.executable,
@@ -229,7 +233,9 @@ class ClientApp(FlowerClientApp):
         restart: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(client_fn=client_fn, mods=mods)
-        self._module: str = sys._getframe(1).f_globals.get("__name__", "__main__")
+        caller = sys._getframe(1).f_globals
+        self._module: str = caller.get("__name__", "__main__")
+        self._file: str | None = caller.get("__file__")
         self._settings: dict[str, Any] = {
             "num_of_processes": int(num_of_processes),
             "launcher": launcher,
@@ -240,24 +246,24 @@ class ClientApp(FlowerClientApp):
         }
 
     def _ref(self) -> dict[str, str]:
+        """Where the ranks find this app: the folder to put on ``sys.path``, the module
+        and the attribute (found by identity, else the module's one ``ClientApp`` of
+        this class: the Simulation Engine hands actors a copy of the app)."""
         module = sys.modules.get(self._module)
-        attr = (
-            next((k for k, v in vars(module).items() if v is self), None)
-            if module is not None
-            else None
-        )
-        if module is None or attr is None or not getattr(module, "__file__", None):
+        names = [k for k, v in vars(module).items() if v is self] if module is not None else []
+        if module is not None and not names:
+            names = [k for k, v in vars(module).items() if isinstance(v, ClientApp)]
+        file = self._file or (getattr(module, "__file__", None) if module is not None else None)
+        if len(names) != 1 or not file:
             raise RuntimeError(
-                f"rankexec.flower.ClientApp must be a module-level name of an importable"
-                f" module (found in {self._module!r})"
+                "rankexec.flower.ClientApp must be one module-level name of an importable"
+                f" module (found in {self._module!r}: {names or 'no name'})"
             )
-        root = Path(str(module.__file__)).resolve().parent
-        depth = self._module.count(".") + (
-            1 if Path(str(module.__file__)).name == "__init__.py" else 0
-        )
+        root = Path(str(file)).resolve().parent
+        depth = self._module.count(".") + (1 if Path(str(file)).name == "__init__.py" else 0)
         for _ in range(depth):
             root = root.parent
-        return {"app_dir": str(root), "module": self._module, "attr": attr}
+        return {"app_dir": str(root), "module": self._module, "attr": names[0]}
 
     def __call__(self, message: Message, context: Context) -> Message:
         """Forwards the message to the node's rank group; returns rank 0's reply."""
@@ -326,6 +332,9 @@ class ClientApp(FlowerClientApp):
             with sock:
                 _channel.send(sock, {"op": "close", "run_id": context.run_id})
                 out = _channel.recv(sock)
+            if "error" in out:
+                reason = f"rankexec: closing the group failed: {out['error']}"
+                return Message(Error(code=_RAISED, reason=reason), reply_to=message)
             closed, pids = bool(out.get("closed")), list(out.get("pids") or [])
         rec = MetricRecord({"closed": int(closed), "ranks": len(pids)})
         return Message(RecordDict({"rankexec": rec}), reply_to=message)

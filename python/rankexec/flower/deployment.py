@@ -51,7 +51,12 @@ class Deployment:
     docs). ``env`` is added to every process's environment."""
 
     def __init__(
-        self, root: Path, node_configs: list[str], env: dict[str, str] | None = None
+        self,
+        root: Path,
+        node_configs: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        simulation_nodes: int = 0,
     ) -> None:
         self.root = Path(root)
         self.home = self.root / "flwr-home"
@@ -67,6 +72,8 @@ class Deployment:
             **(env or {}),
         }
         self.node_configs = node_configs
+        # > 0: the Simulation Engine (Ray) with that many virtual SuperNodes instead.
+        self.simulation_nodes = simulation_nodes
         self.port = 0
         self.superlink: subprocess.Popen[bytes] | None = None
         self.supernodes: list[subprocess.Popen[bytes]] = []
@@ -104,13 +111,17 @@ class Deployment:
                 "--disable-runtime-dependency-installation",
                 "--port",
                 str(self.port),
+                *(["--simulation"] if self.simulation_nodes else []),
             ],
             "superlink.log",
         )
-        (self.home / "config.toml").write_text(
+        config = (
             '[superlink]\ndefault = "dep"\n\n'
             f'[superlink.dep]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
         )
+        if self.simulation_nodes:
+            config += f"\n[superlink.dep.options]\nnum-supernodes = {self.simulation_nodes}\n"
+        (self.home / "config.toml").write_text(config)
         for i, node_config in enumerate(self.node_configs):
             self.supernodes.append(
                 self._spawn(
@@ -148,6 +159,8 @@ class Deployment:
         )
 
     def _nodes_online(self) -> bool:
+        if self.simulation_nodes:
+            return _control.online_nodes(f"127.0.0.1:{self.port}") is not None
         n = _control.online_nodes(f"127.0.0.1:{self.port}")
         return n is not None and n >= len(self.node_configs)
 
