@@ -10,6 +10,7 @@ use std::io::{BufRead as _, BufReader};
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -155,13 +156,24 @@ fn a_rank_error_is_printed_once() {
     );
 }
 
-/// What a child wrote to stderr so far (read on a thread).
+/// What a child wrote to stderr so far (read on a thread), and whether the thread has
+/// read to the end.
 #[derive(Clone, Default)]
-struct Stderr(Arc<Mutex<String>>);
+struct Stderr(Arc<Mutex<String>>, Arc<AtomicBool>);
 
 impl Stderr {
     fn text(&self) -> String {
         self.0.lock().unwrap().clone()
+    }
+
+    /// All of it: waits until the reader has seen the end of the pipe. The child having
+    /// exited is not enough: on a loaded machine its last lines may still be unread.
+    fn all(&self, within: Duration) -> String {
+        let start = Instant::now();
+        while !self.1.load(Ordering::Acquire) && start.elapsed() < within {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.text()
     }
 
     /// Waits until the text contains `needle`.
@@ -209,6 +221,7 @@ fn start_sleepers(
             to.0.lock().unwrap().push_str(&line);
             line.clear();
         }
+        to.1.store(true, Ordering::Release);
     });
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let pids: Vec<u32> = loop {
@@ -281,7 +294,7 @@ fn sigterm_with_sigint_ignored_aborts_cleanly() {
     let t = Instant::now();
     kill(Pid::from_raw(child.0.id() as i32), Sig::SIGTERM).unwrap();
     let status = wait_exit(&mut child.0, Duration::from_secs(60));
-    let stderr = err.text();
+    let stderr = err.all(Duration::from_secs(60));
     eprintln!(
         "SIGTERM to exit: {:.1} ms, status {status:?}\nstderr: {stderr}",
         t.elapsed().as_secs_f64() * 1e3
@@ -322,14 +335,14 @@ fn second_ctrl_c_kills_every_rank_and_leaves_nothing() {
     kill(pid, Sig::SIGINT).unwrap();
     // The second press once the first was seen.
     assert!(
-        err.wait_for("interrupted: aborting", Duration::from_secs(10)),
+        err.wait_for("interrupted: aborting", Duration::from_secs(60)),
         "{}",
         err.text()
     );
     let t = Instant::now();
     kill(pid, Sig::SIGINT).unwrap();
     let status = wait_exit(&mut child.0, Duration::from_secs(30));
-    let gone = wait_gone(&pids, Duration::from_secs(5));
+    let gone = wait_gone(&pids, Duration::from_secs(30));
     eprintln!(
         "second Ctrl-C to exit: {:.1} ms, status {status:?}",
         t.elapsed().as_secs_f64() * 1e3

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use rankexec::executor::{ExecutorConfig, LauncherConfig, MultiProcessExecutor};
+use rankexec::executor::{Dur, ExecutorConfig, LauncherConfig, MultiProcessExecutor};
 use rankexec::protocol::{Shareable, Signal};
 
 /// The directory holding torchrun, or why there is none.
@@ -55,6 +55,8 @@ macro_rules! torchrun_or_skip {
 fn torchrun_config(dir: &Path, torch: &Path, args: serde_json::Value) -> ExecutorConfig {
     let mut c = config(2, "Sleep", args, dir);
     c.launcher = LauncherConfig::Torchrun { extra_args: vec![] };
+    // torchrun is Python that imports torch: over 30 s with the CPUs saturated.
+    c.deadlines.startup = Dur(Duration::from_secs(300));
     let path = std::env::var("PATH").unwrap_or_default();
     c.env
         .set
