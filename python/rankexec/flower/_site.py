@@ -16,8 +16,9 @@ devices), ``rankexec-max-processes``, ``rankexec-lease`` (idle seconds),
 
 Site file (JSON), all optional: ``launcher`` (any rankexec ``launcher`` value),
 ``launchers`` (launcher names an app may ask for; default ``["builtin"]``), ``gpu``
-(rankexec's ``gpu`` object; its keys win over the app's), ``env`` (rankexec's ``env``
-object), ``python``, ``max_processes`` (default 64), ``lease_s``, ``superlink``.
+(rankexec's ``gpu`` object; its keys win over the app's, and an app may name devices
+only where the site names them too), ``env`` (rankexec's ``env`` object; an app cannot
+set one), ``python``, ``max_processes`` (default 64), ``lease_s``, ``superlink``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,14 @@ def group_config(site: Mapping[str, Any], app: Mapping[str, Any], log_dir: str) 
                 " (the site file's `launchers`)"
             )
         cfg["launcher"] = app["launcher"]
-    gpu = {**dict(app.get("gpu") or {}), **dict(site.get("gpu") or {})}
+    app_gpu = dict(app.get("gpu") or {})
+    site_gpu = dict(site.get("gpu") or {})
+    if app_gpu.get("devices") and "devices" not in site_gpu:
+        raise SiteError(
+            "the app names GPU devices; on this node they come from the site"
+            " (--node-config rankexec-gpus=... or the site file's gpu.devices)"
+        )
+    gpu = {**app_gpu, **site_gpu}
     if gpu:
         cfg["gpu"] = gpu
     if site.get("env") is not None:

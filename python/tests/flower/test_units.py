@@ -144,6 +144,8 @@ def test_the_site_decides_launcher_gpus_program_and_size(tmp_path: Path) -> None
         _site.group_config(site, {"num_of_processes": 8}, "/logs")
     with pytest.raises(_site.SiteError, match="torchrun"):
         _site.group_config(site, {"launcher": {"torchrun": {}}}, "/logs")
+    with pytest.raises(_site.SiteError, match="GPU devices"):
+        _site.group_config({}, {"gpu": {"devices": ["0"]}}, "/logs")
     site = _site.load({"rankexec-launcher": "torchrun", "rankexec-gpus": "2,3"})
     cfg = _site.group_config(site, {"launcher": "builtin"}, "/logs")
     assert cfg["launcher"] == "torchrun" and cfg["gpu"] == {"devices": ["2", "3"]}
