@@ -9,7 +9,7 @@ use rankexec_protocol::{ErrorClass, Signal};
 
 use super::state::*;
 use super::tests::{answer, dispatcher, ready_group, result, sent_task};
-use crate::error::{ExecuteError, FailureCause, RankFailure, StartError};
+use crate::error::{ExecuteError, FailureCause, RankFailure};
 use crate::os::ExitStatus;
 
 fn with_retries(n: u32, retries: u32) -> Dispatcher {
@@ -40,7 +40,8 @@ const SIGKILL: FailureCause = FailureCause::Exited(ExitStatus::Signal {
 fn an_error_then_a_death_retries_the_task_naming_the_death() {
     let mut d = with_retries(2, 2);
     let generation = ready_group(&mut d);
-    let (rx, id) = sent_task(&mut d, &Signal::new());
+    let abort = Signal::new();
+    let (rx, id) = sent_task(&mut d, &abort);
     // Rank 0 fails in a collective because its peer died; rank 1 never answers.
     result(&mut d, generation, 0, id, ErrorClass::Exception);
     result(&mut d, generation, 1, id, ErrorClass::Aborted);
@@ -60,18 +61,16 @@ fn an_error_then_a_death_retries_the_task_naming_the_death() {
     assert_eq!(retried.len(), 1);
     assert_eq!((retried[0].attempt, retried[0].failure.rank), (1, 1));
     assert!(rx.try_recv().is_err(), "not answered yet");
-    // Finalized before the relaunch: the answer still names the retry.
-    let (reply, _fin) = crossbeam_channel::bounded(1);
-    d.finalize(reply);
+    // Aborted while it waits for the relaunch: the answer still names the retry.
+    abort.trigger("stop");
+    d.answer_aborted_waiting();
     let err = answer(&rx).unwrap_err();
     let ExecuteError::Retried { retries, last } = &err else {
         panic!("{err:?}")
     };
     assert_eq!(retries.len(), 1);
-    assert!(
-        matches!(**last, ExecuteError::Start(StartError::Aborted)),
-        "{last:?}"
-    );
+    assert!(matches!(**last, ExecuteError::Aborted { .. }), "{last:?}");
+    assert!(d.pending.is_none(), "nobody waits for the launch any more");
 }
 
 #[test]
