@@ -11,13 +11,16 @@ time grows (it is training; waiting in gloo between tasks costs none), or after
 ``--mid-wait`` seconds without that (then it may land between tasks).
 
 Per run, a JSON record: the setting, the simulator's exit code, the rounds the server
-completed (``Round N started`` lines, the last one counted only if FedAvg finished),
+completed (``Round N started`` lines before any ``Aborting current RUN``, the last one
+counted only if FedAvg finished),
 the kills made (round, site, rank, pid, whether the victim was seen training), the
 retries the clients logged (``succeeded after``), the final global model's accuracy on
 the script's held-out split (when the run saved one) and the wall time.
 
 Usage (repository root, the venv): ``python benchmarks/flare/chaos_retry.py --rounds 20
---p 0.25 --seed 8 [--out benchmarks/flare/results-chaos.jsonl]``. Every process a run
+--p 0.25 --seed 8 [--out benchmarks/flare/results-chaos.jsonl]``; a fixed plan:
+``--rounds 8 --kill 2:site-1:1`` (rank 1 of site-1 in the third round); an undisturbed
+run: ``--p 0 --only retry``. Every process a run
 starts is killed with its simulator. Caveats: Linux only (``/proc``); the victims are
 found by their environment (``RANKEXEC_LOG_DIR`` under the run's workspace, ``RANK``).
 """
@@ -174,9 +177,14 @@ def descendants(root: int) -> list[int]:
 
 
 def rounds_completed(ws: Path) -> int:
+    """Rounds the server finished: FedAvg starts the next round after an aborted one
+    (and then stops), so only rounds started before the run was aborted count, the
+    last of them only if FedAvg finished."""
     text = (ws / "server" / "log.txt").read_text(errors="replace")
+    aborted = "Aborting current RUN" in text
+    text = text.split("Aborting current RUN")[0]
     started = len(set(re.findall(r"Round (\d+) started\.", text)))
-    return started if "Finished FedAvg." in text else max(started - 1, 0)
+    return started if "Finished FedAvg." in text and not aborted else max(started - 1, 0)
 
 
 def accuracy(ws: Path) -> float | None:
@@ -272,11 +280,22 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=10, help="the script's epochs per round")
     ap.add_argument("--mid-wait", type=float, default=30.0)
     ap.add_argument("--cap", type=float, default=1800.0, help="seconds per simulator run")
+    ap.add_argument(
+        "--kill",
+        action="append",
+        default=None,
+        metavar="ROUND:SITE:RANK",
+        help="a kill of the plan instead of the random schedule (repeatable; "
+        "ROUND is 0-based); --p 0 and no --kill: an undisturbed run",
+    )
     ap.add_argument("--only", choices=("retry", "off"), default=None)
     ap.add_argument("--keep", action="store_true", help="keep the workspaces")
     ap.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     args = ap.parse_args()
-    plan = schedule(args.rounds, args.p, args.seed)
+    if args.kill:
+        plan = [(int(r), site, int(k)) for r, site, k in (x.split(":") for x in args.kill)]
+    else:
+        plan = schedule(args.rounds, args.p, args.seed)
     print(f"kill plan (round, site, rank): {plan}", flush=True)
     settings = {"retry": [args.retry], "off": [0], None: [args.retry, 0]}[args.only]
     for retry in settings:
