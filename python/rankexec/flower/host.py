@@ -20,6 +20,10 @@ The group ends, and nothing is left, when:
 - the idle lease runs out (no message for ``lease`` seconds): the group closes, and
   after another lease without a group the host exits.
 
+A site that wants the host explicit starts it beside the SuperNode (the node id is in
+the SuperNode's log): ``python -m rankexec.flower.host --node-id ID --supernode-pid PID``;
+the ClientApp processes then find it instead of starting one.
+
 A rank that raises or dies fails the message (the ClientApp answers with Flower's
 ``Error``); the group is closed and the next message starts a new one. Messages are
 served one at a time: a message for a group being torn down waits for the lock and
@@ -297,13 +301,15 @@ def _pickle_buffer(v: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rankexec.flower.host", description=__doc__)
-    p.add_argument("--dir", required=True, type=Path)
+    p.add_argument(
+        "--dir", type=Path, default=None, help="default: the node's folder under the base"
+    )
     p.add_argument("--node-id", required=True, type=int)
     p.add_argument("--supernode-pid", type=int, default=None)
     p.add_argument("--superlink", default=None, help="an insecure SuperLink's address")
     p.add_argument("--lease", type=float, default=300.0, help="idle seconds")
     a = p.parse_args(argv)
-    directory = _channel.private_dir(a.dir)
+    directory = _channel.private_dir(a.dir) if a.dir else _channel.node_dir(a.node_id)
     host = Host(directory, a.node_id, a.supernode_pid, a.superlink, a.lease)
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -133,3 +133,46 @@ def test_the_lease_ends_a_group_and_its_host(app) -> None:
     wait_until(lambda: not any(pid_alive(p) for p in ranks), 30, "the idle lease closing")
     wait_until(lambda: not pid_alive(host_pid), 30, "the host leaving after its lease")
     assert host_status(node) is None
+
+
+def test_an_explicit_host_and_a_message_during_a_teardown(app, tmp_path: Path) -> None:
+    """The site starts the host itself (beside its SuperNode); a message that arrives
+    while the group is being closed waits and gets a new group, never the dead one."""
+    import subprocess
+    import threading
+
+    node = 7003
+    log = open(tmp_path / "host.log", "wb")  # noqa: SIM115 - closed below
+    host = subprocess.Popen(
+        [sys.executable, "-m", "rankexec.flower.host", "--node-id", str(node), "--lease", "60"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: host_status(node) is not None, 60, "the explicit host listening")
+        reply, _ = _call(app, node)
+        assert not reply.has_error(), reply.error
+        assert host_status(node)["pid"] == host.pid, "the ClientApp used the site's host"
+        old = list(host_status(node)["pids"])
+        closing = threading.Thread(
+            target=app,
+            args=(
+                Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE),
+                Context(41, node, {}, RecordDict(), {}),
+            ),
+        )
+        closing.start()
+        reply, _ = _call(app, node)  # races the close: before it or after it, never during
+        closing.join(60)
+        assert not reply.has_error(), reply.error
+        pid = int(reply.content["metrics"]["pid"])
+        now = host_status(node)["pids"]
+        # Served by the old group before its close, or by a new group after it.
+        assert (pid in old and now == []) or (pid in now and not set(now) & set(old))
+        old += now
+    finally:
+        host.send_signal(signal.SIGTERM)
+        host.wait(30)
+        log.close()
+    assert all(not pid_alive(p) for p in old)
