@@ -133,6 +133,9 @@ fn typed<T: DeserializeOwned>(
     })
 }
 
+/// The least time a worker program gets to answer `--check-components`.
+const MIN_CHECK: Duration = Duration::from_secs(20);
+
 fn args_or_empty(c: &ComponentConfig) -> serde_json::Value {
     if c.args.is_null() {
         serde_json::json!({})
@@ -142,12 +145,17 @@ fn args_or_empty(c: &ComponentConfig) -> serde_json::Value {
 }
 
 /// Asks the worker program whether it knows these components; `Ok(None)` when the
-/// program does not support the question.
+/// program does not support the question. It imports what a rank imports (torch, the
+/// user's modules), so it may take as long as a rank's start-up: `within` is the
+/// executor's start-up deadline, never less than [`MIN_CHECK`] (a fixed 20 s failed
+/// valid jobs with the CPUs saturated).
 fn check_with_worker(
     program: &Path,
     args: &[String],
     components: &[ComponentConfig],
+    within: Duration,
 ) -> Result<Option<Vec<(String, String)>>, String> {
+    let within = within.max(MIN_CHECK);
     let json = serde_json::to_string(components).map_err(|e| e.to_string())?;
     let mut child = Command::new(program)
         .args(args)
@@ -168,14 +176,15 @@ fn check_with_worker(
         }
         let _ = tx.send(out);
     });
-    let out = match rx.recv_timeout(Duration::from_secs(20)) {
+    let out = match rx.recv_timeout(within) {
         Ok(o) => o,
         Err(_) => {
             let _ = child.kill();
             let _ = child.wait();
             return Err(format!(
-                "{} --check-components did not answer within 20 s",
-                program.display()
+                "{} --check-components did not answer within {} s",
+                program.display(),
+                within.as_secs()
             ));
         }
     };
@@ -258,7 +267,12 @@ pub fn load(dir: &Path, in_process: &Registry) -> Result<Job, JobError> {
             }
             let program = resolve_program(&cfg.worker.program)
                 .map_err(|m| JobError::new(CLIENT, format!("{args_path}.worker.program"), m))?;
-            match check_with_worker(&program, &cfg.worker.args, &cfg.components) {
+            match check_with_worker(
+                &program,
+                &cfg.worker.args,
+                &cfg.components,
+                cfg.deadlines.startup.0,
+            ) {
                 Ok(Some(errors)) => {
                     if let Some((id, error)) = errors.first() {
                         let idx = cfg.components.iter().position(|c| &c.id == id).unwrap_or(0);
