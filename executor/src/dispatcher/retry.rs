@@ -17,14 +17,18 @@
 //! the task. So a task that failed while a retry is possible waits up to
 //! `SETTLE_GRACE` for a death from outside to show up as the root cause before it is
 //! answered with the error (`hold_for_death`). An error that no death follows is
-//! answered that much later; nothing else waits.
+//! answered that much later; nothing else waits. A signal's death of a rank we spawned
+//! is a cause whenever it comes; a closed connection of a rank we did not spawn (or a
+//! silent rank) after another rank reported an error is not: an external launcher
+//! stops the other ranks after one failed (torchrun does), so it is the error's
+//! consequence, and the error is the answer.
 
 use std::time::Instant;
 
 use rankexec_protocol::ErrorClass;
 use tracing::{info, warn};
 
-use crate::error::{ExecuteError, RankFailure, TaskRetry};
+use crate::error::{ExecuteError, FailureCause, RankFailure, TaskRetry};
 
 use super::state::*;
 
@@ -101,7 +105,18 @@ impl Dispatcher {
     /// retried when `f` is a death from outside and a retry is possible, else answered
     /// with `err`.
     pub(super) fn retry_or_fail(&mut self, t: TaskOp, f: &RankFailure, err: ExecuteError) -> After {
-        if !(f.from_outside() && self.may_retry(&t, Instant::now())) {
+        // A rank we did not spawn whose connection closes, or a silent rank, after a
+        // rank reported an error of its own in this task: most likely the launcher
+        // stopping the others after that error (torchrun does), not a cause.
+        let reported = t
+            .results
+            .iter()
+            .any(|r| matches!(r, Some(Err(e)) if e.class != ErrorClass::Aborted));
+        let ambiguous = matches!(
+            f.cause,
+            FailureCause::ConnectionClosed(_) | FailureCause::Unresponsive(_)
+        );
+        if !(f.from_outside() && !(reported && ambiguous) && self.may_retry(&t, Instant::now())) {
             self.last_failure = Some(err.clone());
             return After::FailTask(t.cmd.reply, err);
         }

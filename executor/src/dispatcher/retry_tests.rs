@@ -152,3 +152,22 @@ fn what_counts_as_a_death_from_outside() {
     }
     assert!(!outside(FailureCause::Exited(ExitStatus::Code(3))));
 }
+
+#[test]
+fn a_closed_connection_after_a_reported_error_is_its_consequence() {
+    use rankexec_protocol::wire::Channel;
+    let mut d = with_retries(2, 2);
+    let generation = ready_group(&mut d);
+    let (rx, id) = sent_task(&mut d, &Signal::new());
+    result(&mut d, generation, 0, id, ErrorClass::Exception);
+    result(&mut d, generation, 1, id, ErrorClass::Aborted);
+    assert!(rx.try_recv().is_err(), "held for a death");
+    // An external launcher stops rank 1 after rank 0's error: not a cause.
+    d.fail_group(death(1, FailureCause::ConnectionClosed(Channel::Exec)));
+    let err = answer(&rx).unwrap_err();
+    assert!(
+        matches!(&err, ExecuteError::RankFailed { failure, .. } if failure.rank == 1),
+        "{err:?}"
+    );
+    assert!(d.pending.is_none() && d.queue.is_empty(), "no retry");
+}
