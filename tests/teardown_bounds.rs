@@ -177,3 +177,57 @@ fn ranks_that_can_answer_get_the_whole_ladder() {
         assert!(!pid_alive(*pid), "pid {pid} survived");
     }
 }
+
+#[test]
+fn finalize_within_replaces_the_shutdown_grace() {
+    let _serial = serial();
+    let logs = tempfile::tempdir().unwrap();
+    // Busy in a task that ignores its abort, with 30 s graces: only the grace given to
+    // `finalize_within` (an aborted job's close) stands between Close and SIGTERM.
+    let cfg = long_graces(config(
+        2,
+        "Sleep",
+        serde_json::json!({"secs": 600, "ignore_abort": true}),
+        logs.path(),
+    ));
+    let exec = std::sync::Arc::new(MultiProcessExecutor::new(cfg).unwrap());
+    let mut ctx = start(&exec);
+    let pids = exec.live_pids();
+    let task = std::thread::spawn({
+        let exec = exec.clone();
+        move || {
+            exec.run_task(
+                "t",
+                Shareable::new(),
+                &mut ctx,
+                &rankexec::protocol::Signal::new(),
+            )
+        }
+    });
+    let t = Instant::now();
+    while exec.status().phase != "busy" {
+        assert!(t.elapsed() < GRACE, "the task never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let report = exec.finalize_within(Duration::from_millis(200)).unwrap();
+    let err = task.join().unwrap().unwrap_err();
+    assert!(
+        matches!(err, ExecuteError::Aborted { forced: false, .. }),
+        "{err:?}"
+    );
+    println!(
+        "finalize_within(200 ms), shutdown_grace 30 s: {:.2} s, escalated to {:?}",
+        report.elapsed.as_secs_f64(),
+        report.escalated
+    );
+    assert_eq!(report.escalated, Some(rankexec::executor::TermSignal::Term));
+    assert!(
+        report.elapsed < GRACE,
+        "the 30 s shutdown grace was waited: {report:?}"
+    );
+    for pid in &pids {
+        assert!(!pid_alive(*pid), "pid {pid} survived");
+    }
+    // The grace was for that teardown only: the executor's own is unchanged.
+    assert_eq!(exec.status().phase, "idle");
+}

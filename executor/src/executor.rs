@@ -212,8 +212,20 @@ impl MultiProcessExecutor {
     /// Stops the group (close, grace, `SIGTERM`, grace, `SIGKILL`, reap), bounded and
     /// idempotent. A later task or `START_RUN` launches a new group.
     pub fn finalize(&self) -> Result<FinalizeReport, FinalizeError> {
+        self.finalize_inner(None)
+    }
+
+    /// [`finalize`](Self::finalize) with `grace` in place of `deadlines.shutdown_grace`
+    /// for the ranks' cooperative exit after `Close` (then `SIGTERM`, the term grace,
+    /// `SIGKILL`, as always): for a job that was aborted, whose ranks' own end is not
+    /// worth waiting for. A teardown already under way keeps its deadline.
+    pub fn finalize_within(&self, grace: Duration) -> Result<FinalizeReport, FinalizeError> {
+        self.finalize_inner(Some(grace))
+    }
+
+    fn finalize_inner(&self, grace: Option<Duration>) -> Result<FinalizeReport, FinalizeError> {
         let (reply, rx) = bounded(1);
-        if !self.send(Command::Finalize { reply }) {
+        if !self.send(Command::Finalize { reply, grace }) {
             return Err(FinalizeError::DispatcherGone);
         }
         rx.recv().map_err(|_| FinalizeError::DispatcherGone)

@@ -236,10 +236,12 @@ class RankGroup:
         """Aborts the task in flight (from another thread); returns whether there was one."""
         return self._native.abort(reason)
 
-    def close(self) -> dict[str, Any]:
+    def close(self, grace: float | None = None) -> dict[str, Any]:
         """Tears the group down; returns ``{"elapsed_s", "escalated", "unkillable",
-        "pids"}`` (``pids``: the processes that were running)."""
-        return self._native.close()
+        "pids"}`` (``pids``: the processes that were running). ``grace`` (seconds)
+        replaces ``deadlines.shutdown_grace`` for the ranks' own exit after the close
+        (then SIGTERM, the term grace, SIGKILL); a teardown under way keeps its own."""
+        return self._native.close(grace)
 
     def pids(self) -> list[int]:
         """The pids of the group's live processes."""

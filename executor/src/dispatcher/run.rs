@@ -55,6 +55,7 @@ impl Dispatcher {
             oom_execute_used: 0,
             growth: 1.0,
             finalized: false,
+            close_grace: None,
             next_task_id: 1,
             next_event_id: 1,
         })
@@ -229,7 +230,7 @@ impl Dispatcher {
     pub(super) fn on_command(&mut self, cmd: Command) {
         match cmd {
             Command::Status { reply } => drop(reply.send(self.status())),
-            Command::Finalize { reply } => self.finalize(reply),
+            Command::Finalize { reply, grace } => self.finalize(reply, grace),
             Command::Execute(mut c) => {
                 let tx = self.ev_tx.clone();
                 c.wake = Some(
@@ -324,7 +325,7 @@ impl Dispatcher {
                     }
                 }
                 Command::Status { reply } => drop(reply.send(self.status())),
-                Command::Finalize { reply } => self.finalize(reply),
+                Command::Finalize { reply, grace } => self.finalize(reply, grace),
             }
         }
     }

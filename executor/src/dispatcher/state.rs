@@ -54,6 +54,9 @@ pub(crate) enum Command {
     },
     Finalize {
         reply: Sender<FinalizeReport>,
+        /// Replaces `deadlines.shutdown_grace` for this teardown (an aborted job's
+        /// ranks are not waited for as long as a finished job's).
+        grace: Option<Duration>,
     },
     Status {
         reply: Sender<Status>,
@@ -404,6 +407,8 @@ pub(crate) struct Dispatcher {
     pub(super) oom_execute_used: u32,
     pub(super) growth: f64,
     pub(super) finalized: bool,
+    /// The `Close` grace given to `finalize`, set only while it starts its teardown.
+    pub(super) close_grace: Option<Duration>,
     pub(super) next_task_id: u64,
     pub(super) next_event_id: u64,
 }

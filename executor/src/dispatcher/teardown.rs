@@ -2,7 +2,7 @@
 //! stages no live process can act on skipped; finalize.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use rankexec_protocol::wire::envelope;
@@ -68,7 +68,10 @@ impl Dispatcher {
         }
         g.phase = Phase::Stopping {
             stage: TermStage::Closing,
-            deadline: now + self.cfg.deadlines.shutdown_grace.0,
+            deadline: now
+                + self
+                    .close_grace
+                    .unwrap_or(self.cfg.deadlines.shutdown_grace.0),
             started: now,
             escalated: None,
             after,
@@ -217,7 +220,7 @@ impl Dispatcher {
         }
     }
 
-    pub(super) fn finalize(&mut self, reply: Sender<FinalizeReport>) {
+    pub(super) fn finalize(&mut self, reply: Sender<FinalizeReport>, grace: Option<Duration>) {
         if self.finalized && self.group.is_none() {
             let _ = reply.send(FinalizeReport::default());
             return;
@@ -255,13 +258,17 @@ impl Dispatcher {
                 Command::Event(c) => drop(c.reply.send(Err(EventError::Finalized))),
                 Command::Start { reply, .. } => drop(reply.send(Err(StartError::Finalized))),
                 Command::Park { reply } => drop(reply.send(())),
-                Command::Finalize { reply } => drop(reply.send(FinalizeReport::default())),
+                Command::Finalize { reply, .. } => drop(reply.send(FinalizeReport::default())),
                 Command::Status { reply } => drop(reply.send(self.status())),
             }
         }
         self.deferred = None;
         after.push(After::Finalized(reply));
+        // The grace applies to the teardown started here (its deadline is set now), not
+        // to a later group's (a task after finalize launches a new one).
+        self.close_grace = grace;
         self.begin_stop("finalize", after);
+        self.close_grace = None;
     }
 }
 

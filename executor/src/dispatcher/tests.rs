@@ -166,7 +166,7 @@ fn finalize_while_launching_fails_the_start_and_launches_nothing() {
     assert!(d.pending.as_ref().is_some_and(|p| p.in_flight));
     assert_eq!(d.status().phase, "admitting");
     let (reply, fin) = bounded(1);
-    d.on_command(Command::Finalize { reply });
+    d.on_command(Command::Finalize { reply, grace: None });
     assert!(matches!(answer(&start), Err(StartError::Aborted)));
     let report: FinalizeReport = answer(&fin);
     assert_eq!(report.escalated, None);
@@ -325,7 +325,7 @@ fn finalize_while_a_task_is_packed_aborts_it_and_ignores_the_frames() {
     let rx = execute_with(&mut d, &Signal::new(), input);
     assert!(d.task.as_ref().is_some_and(|t| t.sent.is_none()));
     let (reply, fin) = bounded(1);
-    d.on_command(Command::Finalize { reply });
+    d.on_command(Command::Finalize { reply, grace: None });
     assert!(matches!(
         answer(&rx),
         Err(ExecuteError::Aborted { forced: false, .. })

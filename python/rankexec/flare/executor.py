@@ -17,7 +17,9 @@ pairs out of ``rank_args`` for the same reason.
 Lifecycle: START_RUN launches the group (site name, job id and the job's run directory
 from the FLContext; rank logs in ``RUN_DIR/rankexec/rank-N/``) and relays START_RUN to
 the ranks; END_RUN reaches the ranks, then the group is torn down (nothing is left
-running); ``_abort_task`` and FLARE's ``abort_signal`` (polled every
+running; when the job was aborted, FLARE's ``ABORT_TASK`` with ``RUN_ABORT_REQUESTED``,
+the ranks get ``aborted_close_grace``, 1 s, to exit after the close instead of
+``deadlines.shutdown_grace``, then SIGTERM and SIGKILL); ``_abort_task`` and FLARE's ``abort_signal`` (polled every
 ``abort_poll_interval`` seconds, since it has no wake-up) abort the task in every rank.
 Other events are relayed to the ranks (``relay_events``), and events fired in ranks
 reach FLARE's engine with ``FROM_RANK_PROP`` set to the rank.
@@ -163,6 +165,7 @@ class MultiProcessExecutor(Executor):
         abort_poll_interval: float = 0.005,
         copy_results: bool = False,
         server_expected_format: str = "numpy",
+        aborted_close_grace: float = 1.0,
     ) -> None:
         super().__init__()
         if server_expected_format not in ("numpy", "pytorch"):
@@ -197,6 +200,10 @@ class MultiProcessExecutor(Executor):
         self._relay = relay_events
         self._poll = float(abort_poll_interval)
         self._copy = bool(copy_results)
+        self._aborted_close_grace = float(aborted_close_grace)
+        if not self._aborted_close_grace >= 0:
+            raise ValueError(f"aborted_close_grace must be >= 0 s, not {aborted_close_grace!r}")
+        self._run_aborted = False
         self._group: RankGroup | None = None
         self._engine: Any = None
         # FLARE's Job API exports a component's args from its attributes named like its
@@ -213,6 +220,7 @@ class MultiProcessExecutor(Executor):
             ("relay_events", relay_events),
             ("abort_poll_interval", abort_poll_interval),
             ("copy_results", copy_results),
+            ("aborted_close_grace", aborted_close_grace),
             ("server_expected_format", server_expected_format),
         )
         for arg, given in job_args:
@@ -277,6 +285,10 @@ class MultiProcessExecutor(Executor):
         elif event_type == EventType.END_RUN:
             self._stop(fl_ctx)
         elif event_type == EventType.ABORT_TASK:
+            if fl_ctx.get_prop(FLContextKey.RUN_ABORT_REQUESTED):
+                # The job itself is aborted (admin abort, a server-side failure), not
+                # one task: END_RUN will close the group with the short grace.
+                self._run_aborted = True
             if self._group is not None and self._group.abort("FLARE fired _abort_task"):
                 self.log_info(fl_ctx, "task aborted in every rank (_abort_task)")
         elif self._relays(event_type):
@@ -299,6 +311,7 @@ class MultiProcessExecutor(Executor):
             self.log_error(fl_ctx, f"event {event_type} failed in the rank group: {e}")
 
     def _start(self, fl_ctx: FLContext) -> None:
+        self._run_aborted = False
         site = fl_ctx.get_identity_name() or "site"
         job_id = str(fl_ctx.get_job_id() or "")
         self._engine = fl_ctx.get_engine()
@@ -364,7 +377,11 @@ class MultiProcessExecutor(Executor):
             group.fire_event(EventType.END_RUN)
         except RankexecError as e:
             self.log_warning(fl_ctx, f"END_RUN did not reach every rank: {e}")
-        report = group.close()
+        if self._run_aborted:
+            # An aborted job's ranks had END_RUN; their own exit is not waited for.
+            report = group.close(grace=self._aborted_close_grace)
+        else:
+            report = group.close()
         how = f"after {report['escalated']}" if report["escalated"] else "cooperatively"
         self.log_info(
             fl_ctx,

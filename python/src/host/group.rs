@@ -290,8 +290,16 @@ impl HostGroup {
     }
 
     /// Tears the group down (close, grace, SIGTERM, grace, SIGKILL, reap); returns what
-    /// was torn down: `{"elapsed_s", "escalated", "unkillable", "pids"}`.
-    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// was torn down: `{"elapsed_s", "escalated", "unkillable", "pids"}`. `grace`
+    /// (seconds) replaces `deadlines.shutdown_grace` for the ranks' exit after the close.
+    #[pyo3(signature = (grace=None))]
+    fn close<'py>(&self, py: Python<'py>, grace: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let grace = match grace {
+            None => None,
+            Some(g) => Some(Duration::try_from_secs_f64(g).map_err(|e| {
+                PyValueError::new_err(format!("grace must be a duration in seconds: {e}"))
+            })?),
+        };
         let exec = self.exec()?;
         self.stager.clear();
         let pids = py.detach(|| exec.live_pids());
@@ -299,7 +307,10 @@ impl HostGroup {
             py,
             "rx-py-close",
             SIGNAL_SLICE,
-            move || exec.finalize(),
+            move || match grace {
+                None => exec.finalize(),
+                Some(g) => exec.finalize_within(g),
+            },
             |_| Ok(()),
             |_| {},
         )?;
