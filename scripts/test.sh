@@ -124,7 +124,7 @@ if [ "$PY_TESTS" = 1 ]; then
         say "no Python tests in python/tests"
     fi
     LINT=()
-    for d in python examples/python examples/flare benchmarks/python benchmarks/flare; do
+    for d in python examples/python examples/flare examples/flower benchmarks/python benchmarks/flare benchmarks/flower; do
         [ -d "$d" ] && LINT+=("$d")
     done
     if [ "${#LINT[@]}" -gt 0 ]; then

@@ -31,9 +31,7 @@ def _setup(context: Context):
 
     if not _net:
         if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo"
-            )  # RANK, WORLD_SIZE, MASTER_* come from rankexec
+            dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_* come from rankexec
         model = task.make_model()
         _net["model"], _net["ddp"] = model, DDP(model)
         pid = int(context.node_config.get("partition-id", 0))
@@ -95,9 +93,7 @@ def train(msg: Message, context: Context) -> Message:
             "compute_s": compute_s,
         }
     )
-    content = RecordDict(
-        {"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}
-    )
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})
     return Message(content=content, reply_to=msg)
 
 

@@ -32,8 +32,7 @@ def main(grid: Grid, context: Context) -> None:
         replies.append([dict(r["metrics"]) for r in records])
         n = sum(int(r["metrics"]["num-examples"]) for r in records)
         loss = sum(
-            float(r["metrics"]["train_loss"]) * int(r["metrics"]["num-examples"])
-            for r in records
+            float(r["metrics"]["train_loss"]) * int(r["metrics"]["num-examples"]) for r in records
         )
         return MetricRecord({"train_loss": loss / max(n, 1)})
 
