@@ -59,6 +59,11 @@ step "FLARE Client API scripts side by side (ClientAPIExecutor + torchrun_node v
 "$PY" benchmarks/flare/client_api_bench.py --out benchmarks/flare/results-client-api.jsonl \
   > "$OUT/client-api.out" 2>&1
 
+step "FLARE on a POC deployment (ClientAPIExecutor + torchrun_node vs ScriptExecutor, admin API)"
+: > benchmarks/flare/results-poc.jsonl
+"$PY" benchmarks/flare/poc_bench.py --reps 2 --out benchmarks/flare/results-poc.jsonl \
+  > "$OUT/poc.out" 2>&1
+
 step "crash detection and abort latency, idle and saturated (RankGroup, Rust ranks)"
 : > benchmarks/crash-abort.jsonl
 "$PY" benchmarks/crash_abort.py --trials 7 --json benchmarks/crash-abort.jsonl \
