@@ -166,7 +166,9 @@ def test_the_wheel_is_abi3_manylinux_and_auditwheel_accepts_it(wheel):
     )
     print("requires:", requires)
     assert requires == [
+        "flwr==1.42.* ; extra == 'flower'",
         "numpy>=1.26 ; extra == 'flare'",
+        "numpy>=1.26 ; extra == 'flower'",
         "numpy>=1.26 ; extra == 'numpy'",
         "numpy>=1.26 ; extra == 'torch'",
         "nvflare==2.9.0 ; extra == 'flare'",
