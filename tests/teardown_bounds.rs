@@ -22,6 +22,30 @@ fn long_graces(mut c: ExecutorConfig) -> ExecutorConfig {
     c
 }
 
+/// Runs a task on another thread and returns once the group is busy with it.
+fn task_in_flight(
+    exec: &std::sync::Arc<MultiProcessExecutor>,
+    mut ctx: FlContext,
+) -> std::thread::JoinHandle<Result<Shareable, ExecuteError>> {
+    let task = std::thread::spawn({
+        let exec = exec.clone();
+        move || {
+            exec.run_task(
+                "t",
+                Shareable::new(),
+                &mut ctx,
+                &rankexec::protocol::Signal::new(),
+            )
+        }
+    });
+    let t = Instant::now();
+    while exec.status().phase != "busy" {
+        assert!(t.elapsed() < GRACE, "the task never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    task
+}
+
 #[test]
 fn a_stopped_rank_costs_the_heartbeat_deadline_not_the_graces() {
     let _serial = serial();
@@ -141,24 +165,9 @@ fn ranks_that_can_answer_get_the_whole_ladder() {
     cfg.deadlines.shutdown_grace = Dur(grace);
     cfg.deadlines.term_grace = Dur(grace);
     let exec = std::sync::Arc::new(MultiProcessExecutor::new(cfg).unwrap());
-    let mut ctx = start(&exec);
+    let ctx = start(&exec);
     let pids = exec.live_pids();
-    let task = std::thread::spawn({
-        let exec = exec.clone();
-        move || {
-            exec.run_task(
-                "t",
-                Shareable::new(),
-                &mut ctx,
-                &rankexec::protocol::Signal::new(),
-            )
-        }
-    });
-    let t = Instant::now();
-    while exec.status().phase != "busy" {
-        assert!(t.elapsed() < GRACE, "the task never started");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let task = task_in_flight(&exec, ctx);
     let report = exec.finalize().unwrap();
     let err = task.join().unwrap().unwrap_err();
     assert!(
@@ -191,24 +200,9 @@ fn finalize_within_replaces_the_shutdown_grace() {
         logs.path(),
     ));
     let exec = std::sync::Arc::new(MultiProcessExecutor::new(cfg).unwrap());
-    let mut ctx = start(&exec);
+    let ctx = start(&exec);
     let pids = exec.live_pids();
-    let task = std::thread::spawn({
-        let exec = exec.clone();
-        move || {
-            exec.run_task(
-                "t",
-                Shareable::new(),
-                &mut ctx,
-                &rankexec::protocol::Signal::new(),
-            )
-        }
-    });
-    let t = Instant::now();
-    while exec.status().phase != "busy" {
-        assert!(t.elapsed() < GRACE, "the task never started");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let task = task_in_flight(&exec, ctx);
     let report = exec.finalize_within(Duration::from_millis(200)).unwrap();
     let err = task.join().unwrap().unwrap_err();
     assert!(

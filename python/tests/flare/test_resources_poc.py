@@ -28,9 +28,6 @@ import ast
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,10 +36,9 @@ import pytest
 
 from rankexec import _rankexec
 
-from .flare_helpers import NVFLARE, client_config, rmtree, server_config
+from .flare_helpers import client_config, rmtree, server_config
+from .poc import Poc
 
-PROJECT = "example_project"
-ADMIN = "admin@nvidia.com"
 SITE = "site-1"
 CAP_S = 240.0
 
@@ -100,58 +96,6 @@ class GpuProbe:
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def project_yml(port: int) -> str:
-    return f"""api_version: 3
-name: {PROJECT}
-description: rankexec GPU authority test
-participants:
-- name: server
-  type: server
-  org: nvidia
-  fed_learn_port: {port}
-  default_host: localhost
-- name: {ADMIN}
-  type: admin
-  org: nvidia
-  role: project_admin
-- name: {SITE}
-  type: client
-  org: nvidia
-builders:
-- path: nvflare.lighter.impl.workspace.WorkspaceBuilder
-  args:
-    template_file: [master_template.yml]
-- path: nvflare.lighter.impl.static_file.StaticFileBuilder
-  args:
-    config_folder: config
-- path: nvflare.lighter.impl.cert.CertBuilder
-- path: nvflare.lighter.impl.signature.SignatureBuilder
-"""
-
-
-def deployment_pids(ws: Path) -> list[int]:
-    """Live processes started for this POC: their environment names its workspace."""
-    needle = f"NVFLARE_POC_WORKSPACE={ws}".encode()
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and needle in env.split(b"\0"):
-            found.append(int(d.name))
-    return found
-
-
 def wait_for(cond, what: str, cap: float = CAP_S, step: float = 0.2):
     deadline = time.monotonic() + cap
     while True:
@@ -163,89 +107,33 @@ def wait_for(cond, what: str, cap: float = CAP_S, step: float = 0.2):
         time.sleep(step)
 
 
-class Poc:
-    def __init__(self, root: Path, xdg: str) -> None:
-        self.ws = root / "poc"
-        self.xdg = xdg
-        self.env = dict(os.environ)
-        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env.get('PATH', '')}"
-        self.env["NVFLARE_POC_WORKSPACE"] = str(self.ws)
-        self.env["XDG_RUNTIME_DIR"] = xdg
-        for var in ("CUDA_VISIBLE_DEVICES", "RANKEXEC_GPU_INVENTORY", "RANKEXEC_GPU_GRANT"):
-            self.env.pop(var, None)
-        self.kit = self.ws / PROJECT / "prod_00"
-        self.log = open(root / "poc.out", "w")  # noqa: SIM115
-
-    def run(self, *args: str, cap: float = 120.0) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            args,
-            env=self.env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            timeout=cap,
-            check=True,
-        )
-
-    def prepare(self) -> None:
-        yml = self.ws.parent / "project.yml"
-        yml.write_text(project_yml(free_port()))
-        self.run(str(NVFLARE), "poc", "prepare", "-i", str(yml), "--force")
-        site = self.kit / SITE
-        done = subprocess.run(
-            [sys.executable, "-m", "rankexec.flare", "gpus", str(site), "--inventory", "2x16GiB"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        self.log.write(done.stdout)
-        # The server may run 4 jobs at once and retries a refused job every 1-2 s.
-        server = self.kit / "server" / "local" / "resources.json"
-        doc = json.loads(server.read_text())
-        for c in doc["components"]:
-            if c["id"] == "job_scheduler":
-                c["args"].update(
-                    max_jobs=4,
-                    max_schedule_count=1000,
-                    min_schedule_interval=1.0,
-                    max_schedule_interval=2.0,
-                )
-        server.write_text(json.dumps(doc, indent=2))
-
-    def start(self) -> None:
-        self.run(str(NVFLARE), "poc", "start", "-ex", ADMIN, "--timeout", "90", cap=150.0)
-
-    def session(self):
-        from nvflare.fuel.flare_api.flare_api import new_secure_session
-
-        return new_secure_session(ADMIN, str(self.kit / ADMIN), timeout=60.0)
-
-    def stop(self) -> list[int]:
-        """`nvflare poc stop`; then waits for every process of the deployment to end,
-        and SIGKILLs (by pid) what is left after 60 s. Returns what had to be killed."""
-        try:
-            self.run(str(NVFLARE), "poc", "stop", cap=120.0)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            self.log.write(f"poc stop: {e}\n")
-        deadline = time.monotonic() + 60.0
-        while deployment_pids(self.ws) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = deployment_pids(self.ws)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.log.close()
-        return left
+def fast_scheduler(server: Path) -> None:
+    """The server may run 4 jobs at once and retries a refused job every 1-2 s."""
+    resources = server / "local" / "resources.json"
+    doc = json.loads(resources.read_text())
+    for c in doc["components"]:
+        if c["id"] == "job_scheduler":
+            c["args"].update(
+                max_jobs=4,
+                max_schedule_count=1000,
+                min_schedule_interval=1.0,
+                max_schedule_interval=2.0,
+            )
+    resources.write_text(json.dumps(doc, indent=2))
 
 
 @pytest.fixture
 def poc(tmp_path, monkeypatch):
     xdg = tempfile.mkdtemp(prefix="rxgpu")  # short: run directories hold sockets
     monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)  # this process reads the same ledger
-    p = Poc(tmp_path, xdg)
+    p = Poc(tmp_path, clients=1)
+    p.env["XDG_RUNTIME_DIR"] = xdg
+    for var in ("CUDA_VISIBLE_DEVICES", "RANKEXEC_GPU_INVENTORY", "RANKEXEC_GPU_GRANT"):
+        p.env.pop(var, None)
     p.prepare()
+    done = p.site_step("gpus", str(p.site(SITE)), "--inventory", "2x16GiB")
+    assert done.returncode == 0, done.stderr
+    fast_scheduler(p.site("server"))
     try:
         p.start()
     except BaseException:
