@@ -12,10 +12,10 @@ import os
 import selectors
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from proc_checks import pid_alive, pids_with_env, wait_until  # noqa: F401 (re-exported: tests import them from conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -45,39 +45,6 @@ def env_with_python() -> dict[str, str]:
     env["PATH"] = PYBIN + os.pathsep + env.get("PATH", "")
     env.setdefault("RANKEXEC_LOG", "warn")
     return env
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def pids_with_env(fragment: str) -> list[int]:
-    """Live processes whose environment mentions `fragment` (every rank, and a launcher,
-    has the group's log directory in `RANKEXEC_LOG_DIR`)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            if fragment.encode() in (d / "environ").read_bytes() and pid_alive(int(d.name)):
-                found.append(int(d.name))
-        except OSError:
-            continue
-    return found
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    """Waits for `cond()` with a deadline (short sleeps between checks of OS state)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def executor_config(

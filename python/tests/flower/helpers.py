@@ -1,39 +1,7 @@
-"""Process helpers for the Flower tests (the same checks as python/tests/conftest.py)."""
+"""Process helpers for the Flower tests: the suite's own (python/tests/proc_checks.py)."""
 
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
+from proc_checks import pid_alive, pids_with_env, wait_until
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def pids_with_env(fragment: str) -> list[int]:
-    """Live processes whose environment mentions `fragment`."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            if fragment.encode() in (d / "environ").read_bytes() and pid_alive(int(d.name)):
-                found.append(int(d.name))
-        except OSError:
-            continue
-    return found
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    """Waits for `cond()` with a deadline (short sleeps between checks of OS state)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+__all__ = ["pid_alive", "pids_with_env", "wait_until"]
