@@ -18,9 +18,10 @@ per-round overhead in the ClientApp (call to reply minus the training loop, roun
 (Flower's own delivery included: the SuperNode's 3 s poll and one ``flwr-clientapp``
 process per message, in every variant); and the whole run (FedAvg's start to its end).
 
-rankexec's ClientApp logs each message's call and reply times when
-``RANKEXEC_FLOWER_TIMINGS`` names a file (set here); the plain variants put their
-handler's call and end times in their metrics.
+rankexec's variant serves the example's app through client_rankexec_timed.py, which
+logs each message's call and reply times to the file ``BENCH_FLOWER_TIMINGS`` names
+(set here; nothing in rankexec writes them); the plain variants put their handler's
+call and end times in their metrics.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ sys.path.insert(0, str(REPO / "python"))
 from rankexec.flower.deployment import Deployment
 
 VARIANTS = {
-    "rankexec": None,
+    "rankexec": ("client_rankexec_timed", ["client_rankexec_timed.py"]),
     "torchrun": ("client_torchrun", ["client_torchrun.py", "ddp_worker.py"]),
     "single": ("client_single", ["client_single.py"]),
 }
@@ -70,7 +71,7 @@ def prepare(variant: str, dest: Path) -> Path:
 
 def summarize(res: dict, timings: list[dict]) -> dict:
     """The figures of one variant's run (see the module docs). ``timings``: what
-    ``rankexec.flower.ClientApp`` logged per message (RANKEXEC_FLOWER_TIMINGS); the
+    client_rankexec_timed.py logged per message (BENCH_FLOWER_TIMINGS); the
     plain variants carry their handler's call and end in their metrics instead."""
     ends = res["round_end"]
     starts = [res["started"], *ends[:-1]]
@@ -138,7 +139,7 @@ def main() -> int:
         env={
             "RANKEXEC_FLOWER_DIR": str(root / "rx"),
             "RANKEXEC_LOG": "warn",
-            "RANKEXEC_FLOWER_TIMINGS": str(root / "timings.jsonl"),
+            "BENCH_FLOWER_TIMINGS": str(root / "timings.jsonl"),
         },
     )
     out: dict = {"rounds": a.rounds, "variants": {}}

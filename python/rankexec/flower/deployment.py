@@ -4,7 +4,8 @@ Why: the tests and the benchmark run apps under Flower's real Deployment Engine
 (``flower-superlink``, ``flower-supernode``s, ``flwr run``), never a stand-in. This
 module starts one in a private ``FLWR_HOME`` on free ports with telemetry and update
 checks off and runtime dependency installation disabled, submits runs, waits for them
-on conditions (the run's status through ``flwr list``), and stops every process it
+on conditions (the run's status and the online nodes through the SuperLink's Control
+API, ``rankexec.flower._control``, in-process), and stops every process it
 started by pid (``stop()``), SuperExecs included (they follow their parents through
 ``--parent-pid``).
 

@@ -1,0 +1,147 @@
+"""``rankexec.flower.ClientApp``: Flower's ClientApp whose handlers run on the node's
+rank group.
+
+Why: Flower runs each message in a new ``flwr-clientapp`` process; this class's
+``__call__`` turns the message into a request to the node's host
+(``rankexec.flower.host``, found or started by ``_start``), which keeps the run's
+group across messages, and turns the host's answer back into Flower's reply (rank 0's
+``Message`` and ``context.state``) or Flower's ``Error``. ``CLOSE_MESSAGE_TYPE``
+messages (``close_groups``) close the run's group instead.
+
+Caveats: the app must be one module-level name of an importable module (the ranks
+import it); its settings are requests the host matches against the site's rules.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp as FlowerClientApp
+
+from rankexec.flower import _channel, _codec, _site, _start
+from rankexec.flower._channel import ChannelError
+from rankexec.flower._server import CLOSE_MESSAGE_TYPE
+from rankexec.flower._site import SiteError
+
+__all__ = ["ClientApp"]
+
+# Flower's ErrorCode.CLIENT_APP_RAISED_EXCEPTION (flwr.common.constant).
+_RAISED = 2
+
+
+class ClientApp(FlowerClientApp):
+    """Flower's ``ClientApp`` whose handlers run on the node's rank group (see the
+    module docs). ``num_of_processes`` ranks; ``launcher``, ``gpu``, ``resources``,
+    ``deadlines`` and ``restart`` are rankexec's ``MultiProcessExecutor`` settings (the
+    site bounds the launcher and GPUs)."""
+
+    def __init__(
+        self,
+        client_fn: Any = None,
+        mods: Any = None,
+        *,
+        num_of_processes: int = 1,
+        launcher: Any = None,
+        gpu: Mapping[str, Any] | None = None,
+        resources: Mapping[str, Any] | None = None,
+        deadlines: Mapping[str, Any] | None = None,
+        restart: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(client_fn=client_fn, mods=mods)
+        caller = sys._getframe(1).f_globals
+        self._module: str = caller.get("__name__", "__main__")
+        self._file: str | None = caller.get("__file__")
+        self._settings: dict[str, Any] = {
+            "num_of_processes": int(num_of_processes),
+            "launcher": launcher,
+            "gpu": dict(gpu) if gpu else None,
+            "resources": dict(resources) if resources else None,
+            "deadlines": dict(deadlines) if deadlines else None,
+            "restart": dict(restart) if restart else None,
+        }
+
+    def _ref(self) -> dict[str, str]:
+        """Where the ranks find this app: the folder to put on ``sys.path``, the module
+        and the attribute (found by identity, else the module's one ``ClientApp`` of
+        this class: the Simulation Engine hands actors a copy of the app)."""
+        module = sys.modules.get(self._module)
+        names = [k for k, v in vars(module).items() if v is self] if module is not None else []
+        if module is not None and not names:
+            names = [k for k, v in vars(module).items() if isinstance(v, ClientApp)]
+        file = self._file or (getattr(module, "__file__", None) if module is not None else None)
+        if len(names) != 1 or not file:
+            raise RuntimeError(
+                "rankexec.flower.ClientApp must be one module-level name of an importable"
+                f" module (found in {self._module!r}: {names or 'no name'})"
+            )
+        root = Path(str(file)).resolve().parent
+        depth = self._module.count(".") + (1 if Path(str(file)).name == "__init__.py" else 0)
+        for _ in range(depth):
+            root = root.parent
+        return {"app_dir": str(root), "module": self._module, "attr": names[0]}
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        """Forwards the message to the node's rank group; returns rank 0's reply."""
+        if message.metadata.message_type == CLOSE_MESSAGE_TYPE:
+            return self._close(message, context)
+        return self._forward(message, context)
+
+    def _forward(self, message: Message, context: Context) -> Message:
+        from flwr.supercore.task_identity import TaskIdentity
+
+        try:
+            site = _site.load(context.node_config)
+            directory = _channel.node_dir(context.node_id)
+            cfg = _site.group_config(site, self._settings, str(directory / f"run-{context.run_id}"))
+        except (SiteError, ChannelError) as e:
+            return Message(Error(code=_RAISED, reason=f"rankexec: {e}"), reply_to=message)
+        ref = self._ref()
+        blobs: dict[str, Any] = {}
+        spec = {
+            "app": ref,
+            "message": _codec.encode_message(message, blobs),
+            "context": _codec.encode_context(context, blobs),
+            "task_id": getattr(TaskIdentity, "_task_id", None),
+        }
+        blobs[_codec.SPEC_BLOB] = _codec.pack(spec)
+        req = {
+            "op": "execute",
+            "run_id": context.run_id,
+            "config": cfg,
+            "config_key": json.dumps([cfg, ref], sort_keys=True),
+            "blobs": {k: pickle.PickleBuffer(v) for k, v in blobs.items()},
+        }
+        out = _start.request(directory, req, context.node_id, site)
+        if "error" in out:
+            who = "rankexec"
+            if out.get("rank") is not None:
+                who = f"rank {out['rank']}" + (f" (pid {out['pid']})" if out.get("pid") else "")
+            return Message(Error(code=_RAISED, reason=f"{who}: {out['error']}"), reply_to=message)
+        got = {k: bytes(v) for k, v in out["blobs"].items()}
+        back = _codec.unpack(got[_codec.SPEC_BLOB])
+        context.state = _codec.decode_records(back["state"], got)
+        return _codec.decode_message(back["reply"], got)
+
+    def _close(self, message: Message, context: Context) -> Message:
+        directory = _channel.node_dir(context.node_id)
+        pids: list[int] = []
+        try:
+            sock = _channel.connect(directory, timeout=5)
+        except ChannelError:
+            closed = False
+        else:
+            with sock:
+                _channel.send(sock, {"op": "close", "run_id": context.run_id})
+                out = _channel.recv(sock)
+            if "error" in out:
+                reason = f"rankexec: closing the group failed: {out['error']}"
+                return Message(Error(code=_RAISED, reason=reason), reply_to=message)
+            closed, pids = bool(out.get("closed")), list(out.get("pids") or [])
+        rec = MetricRecord({"closed": int(closed), "ranks": len(pids)})
+        return Message(RecordDict({"rankexec": rec}), reply_to=message)
