@@ -167,6 +167,41 @@ class MultiProcessExecutor(Executor):
         server_expected_format: str = "numpy",
         aborted_close_grace: float = 1.0,
     ) -> None:
+        """A FLARE executor whose tasks run on a rank group.
+
+        Args:
+            num_of_processes: ranks in the group (1 to 1024).
+            rank_component: required: the rank code, a Python rank class
+                `"module:Class"` or `"file.py:Class"` (a relative file is looked up in the
+                app's folder first), or a component of a Rust `worker`. Classes only:
+                `os:system` or any other function is refused
+                (`rankexec._loader.NotAClass`). Subject to the site policy for a job
+                without custom code.
+            rank_args: keyword arguments of the rank class. Keep `id`/`path` pairs out
+                of it: FLARE would build them as components.
+            worker: the rank program, `{"program", "args"}` (default: this Python,
+                `-P -m rankexec.worker`), e.g. a Rust `rankexec-worker`. Subject to the
+                site policy.
+            result, deadlines, gpu, resources, restart: as in rankexec's executor
+                arguments.
+            launcher, env: as in rankexec's executor arguments; subject to the site
+                policy.
+            relay_events: relay FLARE's events to the ranks (all but log, pull and
+                end-run-readiness events), or a list of event names to relay.
+            abort_poll_interval: how often FLARE's `abort_signal` (a flag with no
+                wake-up) is checked during a task, in seconds.
+            copy_results: return writable copies of the result arrays (default:
+                read-only views of the ranks' shared memory).
+            server_expected_format: `"pytorch"` when the server sends torch tensors
+                (FLARE's PyTorch recipes, `PTFileModelPersistor` with
+                `allow_numpy_conversion: false`): registers FLARE's tensor decomposer,
+                without which the client cannot receive them.
+            aborted_close_grace: seconds an aborted job's ranks get to exit after the
+                close, in place of `deadlines.shutdown_grace`, before SIGTERM and SIGKILL
+                (the job was aborted when FLARE fires `_abort_task` with
+                `RUN_ABORT_REQUESTED`: an admin abort or a server-side failure; END_RUN
+                still reaches the ranks first).
+        """
         super().__init__()
         if server_expected_format not in ("numpy", "pytorch"):
             raise ValueError(

@@ -106,6 +106,39 @@ class ScriptExecutor(MultiProcessExecutor):
         relay_events: bool | list[str] = False,
         abort_poll_interval: float = 0.005,
     ) -> None:
+        """A FLARE executor that runs a Client API script on a rank group.
+
+        Args:
+            script: required: the script, relative to the app folder
+                (`custom/client.py`); ranks run in the app folder, as FLARE's trainer
+                does.
+            script_args: its arguments: a string (split like a shell) or a list.
+            num_of_processes: ranks in the group.
+            train_task_name, evaluate_task_name, submit_model_task_name: FLARE's, for
+                `is_train()`, `is_evaluate()`, `is_submit_model()`.
+            train_with_evaluation: FLARE's, in `flare.get_config()`.
+            params_exchange_format: FLARE's: the script's side (`pytorch` gives torch
+                tensors, `numpy` arrays).
+            server_expected_format: FLARE's: the server's side.
+            params_transfer_type: FLARE's: `DIFF` sends the difference to what was
+                received.
+            all_ranks_receive: opt-in: every rank receives the model (copy-on-write
+                views of the same shared memory) and sees the same `is_running()`, so
+                no broadcast is needed; only rank 0's `send()` counts.
+            deadlines, gpu, resources, launcher, env, restart: as for
+                `rankexec.flare.MultiProcessExecutor`, but `deadlines.shutdown_grace`
+                defaults to 30 s here (a script's own end follows the close) and
+                `deadlines.abort_grace` to 1 s (a script sees an abort only at its next
+                `receive()`/`send()`, so an aborted task's ranks are killed 1 s after
+                the abort, as FLARE's own executor terminates its trainer at once; the
+                next task relaunches the group).
+            relay_events: FLARE's events are not relayed to the ranks by default (a
+                Client API script cannot see them, and `ClientAPIExecutor` forwards
+                none; each relay is a round trip to every rank); `START_RUN` and
+                `END_RUN` always reach them. `True` or a list of names relays them.
+            abort_poll_interval: how often FLARE's `abort_signal` is checked during a
+                task, in seconds.
+        """
         version = getattr(nvflare, "__version__", "?")
         if not str(version).startswith("2.9."):
             raise RuntimeError(

@@ -53,6 +53,20 @@ class ClientApp(FlowerClientApp):
         deadlines: Mapping[str, Any] | None = None,
         restart: Mapping[str, Any] | None = None,
     ) -> None:
+        """A Flower ClientApp whose handlers run on the node's rank group.
+
+        Args:
+            client_fn, mods: Flower's own (`flwr.clientapp.ClientApp`).
+            num_of_processes: ranks in the node's group; the site's `max_processes`
+                bounds it.
+            launcher: a rankexec `launcher` the app asks for; the node's site allows it
+                or refuses the message (default: the site's launcher, else the built-in
+                one).
+            gpu: rankexec's `gpu` settings the app asks for; the site's keys win and
+                only the site names devices.
+            resources, deadlines, restart: rankexec's `resources`, `deadlines` and
+                `restart`, the app's own bounds (passed as they are).
+        """
         super().__init__(client_fn=client_fn, mods=mods)
         caller = sys._getframe(1).f_globals
         self._module: str = caller.get("__name__", "__main__")
