@@ -18,7 +18,9 @@
 #   5. builds the release binaries the Python tests drive, runs `python -m pytest
 #      python/tests -q` (python/tests/flare runs the real `nvflare simulator`;
 #      python/tests/test_wheel.py builds the wheel with scripts/wheel.sh and tests it in
-#      a clean venv), then ruff, mypy's stubtest and mypy on the Python sources.
+#      a clean venv; python/tests/test_docs.py builds the guide, docs/, with `mkdocs
+#      build --strict` and runs or checks every block of README.md and docs/), then
+#      ruff, mypy's stubtest and mypy on the Python sources.
 #
 # Environment:
 #   RANKEXEC_SKIP_PY=1     skip the Python part (no venv, no pytest, no ruff)
