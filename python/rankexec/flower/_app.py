@@ -14,7 +14,6 @@ import it); its settings are requests the host matches against the site's rules.
 
 from __future__ import annotations
 
-import json
 import pickle
 import sys
 from collections.abc import Mapping
@@ -24,10 +23,9 @@ from typing import Any
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp as FlowerClientApp
 
-from rankexec.flower import _channel, _codec, _site, _start
+from rankexec.flower import _channel, _codec, _start
 from rankexec.flower._channel import ChannelError
 from rankexec.flower._server import CLOSE_MESSAGE_TYPE
-from rankexec.flower._site import SiteError
 
 __all__ = ["ClientApp"]
 
@@ -38,8 +36,10 @@ _RAISED = 2
 class ClientApp(FlowerClientApp):
     """Flower's ``ClientApp`` whose handlers run on the node's rank group (see the
     module docs). ``num_of_processes`` ranks; ``launcher``, ``gpu``, ``resources``,
-    ``deadlines`` and ``restart`` are rankexec's ``MultiProcessExecutor`` settings (the
-    site bounds the launcher and GPUs)."""
+    ``deadlines`` and ``restart`` are rankexec's ``MultiProcessExecutor`` settings, sent
+    to the node's host as requests: the host matches them against the site's rules and
+    refuses what the site does not allow (the reply is Flower's ``Error`` naming the
+    rule)."""
 
     def __init__(
         self,
@@ -106,15 +106,13 @@ class ClientApp(FlowerClientApp):
             return self._close(message, context)
         return self._forward(message, context)
 
+    def _request(self) -> dict[str, Any]:
+        """The app's settings as requests to the host (the site decides)."""
+        return {k: v for k, v in self._settings.items() if v is not None}
+
     def _forward(self, message: Message, context: Context) -> Message:
         from flwr.supercore.task_identity import TaskIdentity
 
-        try:
-            site = _site.load(context.node_config)
-            directory = _channel.node_dir(context.node_id)
-            cfg = _site.group_config(site, self._settings, str(directory / f"run-{context.run_id}"))
-        except (SiteError, ChannelError) as e:
-            return Message(Error(code=_RAISED, reason=f"rankexec: {e}"), reply_to=message)
         ref = self._ref()
         blobs: dict[str, Any] = {}
         spec = {
@@ -127,15 +125,21 @@ class ClientApp(FlowerClientApp):
         req = {
             "op": "execute",
             "run_id": context.run_id,
-            "config": cfg,
-            "config_key": json.dumps([cfg, ref], sort_keys=True),
+            "app": ref,
+            "request": self._request(),
             "blobs": {k: pickle.PickleBuffer(v) for k, v in blobs.items()},
         }
-        out = _start.request(directory, req, context.node_id, site)
+        try:
+            directory = _channel.node_dir(context.node_id)
+            out = _start.request(directory, req, context.node_id)
+        except ChannelError as e:
+            return Message(Error(code=_RAISED, reason=f"rankexec: {e}"), reply_to=message)
         if "error" in out:
             who = "rankexec"
             if out.get("rank") is not None:
                 who = f"rank {out['rank']}" + (f" (pid {out['pid']})" if out.get("pid") else "")
+            elif out.get("kind") == "SiteError":
+                who = "rankexec: refused by the node's site"
             return Message(Error(code=_RAISED, reason=f"{who}: {out['error']}"), reply_to=message)
         got = {k: bytes(v) for k, v in out["blobs"].items()}
         back = _codec.unpack(got[_codec.SPEC_BLOB])
@@ -150,9 +154,13 @@ class ClientApp(FlowerClientApp):
         except ChannelError:
             closed = False
         else:
-            with sock:
-                _channel.send(sock, {"op": "close", "run_id": context.run_id})
-                out = _channel.recv(sock)
+            req = {"op": "close", "run_id": context.run_id, "app": self._ref()}
+            try:
+                with sock:
+                    _channel.send(sock, req)
+                    out = _channel.recv(sock)
+            except (OSError, ChannelError) as e:
+                out = {"error": f"the host did not answer: {e}"}
             if "error" in out:
                 reason = f"rankexec: closing the group failed: {out['error']}"
                 return Message(Error(code=_RAISED, reason=reason), reply_to=message)

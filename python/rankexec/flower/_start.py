@@ -18,12 +18,15 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from rankexec.flower import _channel
 from rankexec.flower._channel import ChannelError
+
+# rankexec.flower.host's exit code when another host serves the node.
+HOST_TAKEN_EXIT = 3
 
 __all__ = ["connect_or_start", "host_status", "request"]
 
@@ -45,35 +48,32 @@ def _ancestors() -> Iterable[tuple[int, list[str]]]:
         pid = int(ppid[0].split()[1]) if ppid else 0
 
 
-def _supernode() -> tuple[int | None, str | None]:
-    """The SuperNode this ClientApp process runs under, and its insecure SuperLink."""
+def _supernode() -> int | None:
+    """The SuperNode this ClientApp process runs under (the host reads its settings)."""
     for pid, argv in _ancestors():
         if any(os.path.basename(a) == "flower-supernode" for a in argv[:2]):
-            link = None
-            if "--insecure" in argv:
-                for i, a in enumerate(argv):
-                    if a == "--superlink" and i + 1 < len(argv):
-                        link = argv[i + 1]
-                    elif a.startswith("--superlink="):
-                        link = a.split("=", 1)[1]
-            return pid, link
-    return None, None
+            return pid
+    return None
 
 
-def connect_or_start(directory: Path, node_id: int, site: Mapping[str, Any]) -> Any:
-    """An authenticated socket to the node's host, started first if none listens."""
+def connect_or_start(directory: Path, node_id: int) -> Any:
+    """An authenticated socket to the node's host, started first if none listens.
+
+    The host is given only where to serve and whom to watch; it reads the site's rules
+    itself. A host that finds another live one (exit ``HOST_TAKEN_EXIT``) leaves, and
+    this keeps connecting to that one until the start-up deadline.
+    """
     with contextlib.suppress(ChannelError):
         return _channel.connect(directory)
     with open(directory / "start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         with contextlib.suppress(ChannelError):
             return _channel.connect(directory)
-        supernode, link = _supernode()
+        supernode = _supernode()
         if supernode is None and "ray" in sys.modules:
             # The Simulation Engine: this Ray actor serves messages for the whole run;
             # the host leaves with it.
             supernode = os.getpid()
-        link = site.get("superlink") or link
         argv = [
             sys.executable,
             "-m",
@@ -82,15 +82,9 @@ def connect_or_start(directory: Path, node_id: int, site: Mapping[str, Any]) -> 
             str(directory),
             "--node-id",
             str(node_id),
-            "--lease",
-            str(float(site.get("lease_s", 300.0))),
         ]
         if supernode is not None:
             argv += ["--supernode-pid", str(supernode)]
-        if link:
-            argv += ["--superlink", str(link)]
-        with contextlib.suppress(FileNotFoundError):
-            (directory / "host.sock").unlink()
         with open(directory / "host.log", "ab") as log:
             proc = subprocess.Popen(
                 argv,
@@ -101,32 +95,41 @@ def connect_or_start(directory: Path, node_id: int, site: Mapping[str, Any]) -> 
                 close_fds=True,
             )
         deadline = time.monotonic() + _HOST_START_S
+        last: ChannelError | None = None
         while True:
             if (directory / "host.sock").exists():
-                with contextlib.suppress(ChannelError):
+                try:
                     return _channel.connect(directory)
+                except ChannelError as e:
+                    last = e
             code = proc.poll()
-            if code is not None:
+            if code is not None and code != HOST_TAKEN_EXIT:
                 raise ChannelError(
                     f"the rankexec host exited with code {code} (see {directory / 'host.log'})"
                 )
             if time.monotonic() > deadline:
-                proc.kill()
-                raise ChannelError(f"the rankexec host did not listen within {_HOST_START_S}s")
+                if code is None:
+                    proc.kill()
+                    proc.wait(10)
+                raise ChannelError(
+                    f"no rankexec host listened within {_HOST_START_S}s"
+                    f" (see {directory / 'host.log'}){f': {last}' if last else ''}"
+                )
             time.sleep(0.05)
 
 
-def request(directory: Path, req: dict[str, Any], node_id: int, site: Any) -> Any:
+def request(directory: Path, req: dict[str, Any], node_id: int) -> Any:
     """Sends one request to the node's host (started if needed) and returns its answer."""
-    sock = connect_or_start(directory, node_id, site)
+    sock = connect_or_start(directory, node_id)
     with sock:
         _channel.send(sock, req)
         return _channel.recv(sock)
 
 
 def host_status(node_id: int) -> dict[str, Any] | None:
-    """The node's host: ``{"pid", "run_id", "pids", "busy", "supernode_pid"}``, or None
-    when none runs."""
+    """The node's host: ``{"pid", "runs", "run_ids", "pids", "busy", "supernode_pid"}``
+    (``runs``: run id to ``{"pids", "busy"}``; ``pids``, ``busy``: over every run), or
+    None when none runs."""
     try:
         sock = _channel.connect(_channel.node_dir(node_id), timeout=5)
     except ChannelError:

@@ -1,45 +1,56 @@
-"""``python -m rankexec.flower.host``: the per-node host that keeps a run's rank group.
+"""``python -m rankexec.flower.host``: the per-node host that keeps the runs' rank groups
+and decides, for the site, what they run.
 
 Why: Flower 1.42 runs every message in a new ``flwr-clientapp`` process, so a rank
 group kept across rounds must live elsewhere. One host runs per SuperNode (per node
-id), started by the first ClientApp process that needs it (see
-``rankexec.flower.ClientApp``), in its own session, with the SuperNode's environment.
-It owns at most one ``RankGroup``, keyed by (run id, node id), and serves the
-ClientApp processes over the authenticated channel of ``rankexec.flower._channel``.
+id), started by the first ClientApp process that needs it (see ``_start``), in its own
+session, with the SuperNode's environment, or started by the site beside the SuperNode.
 
-The group ends, and nothing is left, when:
+The host is the site's authority: it reads the site's rules itself (``_site``: the
+SuperNode's ``--node-config`` from its command line, the site file it or the
+SuperNode's ``$RANKEXEC_FLOWER_SITE`` names) and builds each group's configuration
+from them and the app's *requests*; a request that asks for more than the site allows
+is refused with the rule named, whoever sent it.
+
+Runs apart: each run keeps its own group (``_runs.Run``, keyed by run id on this
+node), up to the site's ``max_runs``; a message of one run never closes, reuses or
+imports into another run's group, and each run's end closes its own.
+
+One host per node: the host holds ``host.lock`` (an exclusive ``flock``, with its pid
+in it) for its whole life; a second host refuses to start naming the first's pid
+(exit code 3), and a host removes only the socket and secret it made.
+
+A run's group ends, and nothing of it is left (its rank logs included, unless the
+site's ``log_dir`` keeps them), when:
 
 - the run ends: the ServerApp's ``rankexec.flower.close_groups(grid)`` sends every
-  node a ``query.rankexec_close`` message; a message of a new run id also closes the
-  old run's group first;
-- ``flwr stop``: the host asks the SuperLink's Control API for the run's status every
-  couple of seconds while it holds a group; a finished run's task in flight gets
+  node a ``query.rankexec_close`` message;
+- ``flwr stop``: the host asks the SuperLink's Control API for each run's status every
+  couple of seconds while the run holds a group; a finished run's task in flight gets
   rankexec's abort (ranks that ignore it are killed after ``deadlines.abort_grace``)
   and the group closes;
-- the SuperNode dies: the host watches its pid and closes everything, then exits;
-- the idle lease runs out (no message for ``lease`` seconds): the group closes, and
-  after another lease without a group the host exits.
+- the idle lease runs out (no message of the run for ``lease`` seconds).
 
-A site that wants the host explicit starts it beside the SuperNode (the node id is in
-the SuperNode's log): ``python -m rankexec.flower.host --node-id ID --supernode-pid PID``;
-the ClientApp processes then find it instead of starting one.
+The host ends, with every group, when its SuperNode dies (it watches its pid), on
+SIGTERM/SIGINT, or after a lease with no run. A rank that raises or dies fails the
+message (the ClientApp answers with Flower's ``Error``); that run's group is closed and
+its next message starts a new one.
 
-A rank that raises or dies fails the message (the ClientApp answers with Flower's
-``Error``); the group is closed and the next message starts a new one. Messages are
-served one at a time: a message for a group being torn down waits for the lock and
-then gets a new group.
-
-Caveats: the run-status check speaks to an ``--insecure`` SuperLink only (the
-address comes from the SuperNode's ``--superlink`` or the site's ``superlink``); with
-TLS or account auth, ``flwr stop`` is covered by the idle lease only. If the host
-itself is SIGKILLed, its ranks see their parent gone and exit (rankexec's parent
-watch).
+Caveats: the run-status check speaks to an ``--insecure`` SuperLink only (the address
+comes from the SuperNode's ``--superlink`` or the site's ``superlink``); with TLS or
+account auth, ``flwr stop`` is covered by the idle lease only. The channel proves the
+caller's uid, not its run (see ``_runs``). ``host.log`` is cut back to its last
+``_LOG_KEEP`` bytes when it passes ``_LOG_MAX``. On shutdown a task that does not
+return within ``_SHUTDOWN_WAIT_S`` of its abort is closed by its own serving thread;
+if the host exits first, its ranks see their parent gone and exit (rankexec's parent
+watch), as they do when the host is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -49,14 +60,38 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower import _channel, _control
+from rankexec.flower import _channel, _control, _site
+from rankexec.flower._runs import Run
 
-__all__ = ["Host", "main"]
+__all__ = ["HOST_TAKEN_EXIT", "Host", "HostTaken", "main"]
+
+HOST_TAKEN_EXIT = 3
+_SHUTDOWN_WAIT_S = 30.0
+_LOG_MAX = 4 << 20
+_LOG_KEEP = 1 << 20
+
+
+class HostTaken(RuntimeError):
+    """Another live host holds the node's ``host.lock``."""
 
 
 def _log(text: str) -> None:
+    _bound_stderr()
     sys.stderr.write(f"{time.strftime('%H:%M:%S')} rankexec.flower.host[{os.getpid()}]: {text}\n")
     sys.stderr.flush()
+
+
+def _bound_stderr() -> None:
+    """Keeps a regular file on stderr (``host.log``) to its last ``_LOG_KEEP`` bytes."""
+    with contextlib.suppress(OSError, ValueError):
+        fd = sys.stderr.fileno()
+        st = os.fstat(fd)
+        if not (st.st_mode & 0o170000 == 0o100000 and st.st_size > _LOG_MAX):
+            return
+        tail = os.pread(fd, _LOG_KEEP, st.st_size - _LOG_KEEP)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"[host.log cut to its last bytes]\n" + tail, 0)
+        os.lseek(fd, 0, os.SEEK_END)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -76,107 +111,126 @@ class Host:
         directory: Path,
         node_id: int,
         supernode_pid: int | None,
-        superlink: str | None,
-        lease_s: float,
+        superlink: str | None = None,
+        lease_s: float | None = None,
+        site_file: str | None = None,
+        node_config: str | None = None,
     ) -> None:
         self.dir = directory
         self.node_id = node_id
         self.supernode_pid = supernode_pid
-        self.superlink = superlink
-        self.lease_s = lease_s
-        self.lock = threading.Lock()  # one message (or close) at a time
-        self.group: Any = None
-        self.group_key: Any = None
-        self.run_id: int | None = None
-        self.busy = False
-        self.abort_reason: str | None = None
+        # Where the site's rules come from: the operator's arguments, else the
+        # SuperNode's own command line and environment, else this process's environment.
+        config: dict[str, Any] = {}
+        env_site = _site.site_file_from_env(os.environ)
+        from_supernode = (
+            _site.supernode_settings(supernode_pid) if supernode_pid is not None else None
+        )
+        if from_supernode is not None:
+            config, env_site, link = from_supernode
+            superlink = superlink or link
+        if node_config is not None:
+            config = _site.parse_node_config(node_config)
+        self.node_config = config
+        self.site_file = site_file or env_site
+        try:
+            site = self.read_site()
+        except _site.SiteError as e:
+            _log(f"the site's rules cannot be read (every request is refused): {e}")
+            site = {}
+        self.superlink = site.get("superlink") or superlink
+        self.lease_s = float(lease_s if lease_s is not None else site.get("lease_s", 300.0))
+        self.lock = threading.Lock()  # guards self.runs (short sections only)
+        self.runs: dict[int, Run] = {}
         self.last_active = time.monotonic()
         self.stopping = threading.Event()
         self.secret = b""
+        self._made: dict[str, int] = {}  # file name -> inode of what this host created
+        self._lock_fd: int | None = None
 
-    # ---- the group -------------------------------------------------------------------
+    def read_site(self) -> dict[str, Any]:
+        """The site's rules as they are now (read for every message)."""
+        return _site.load(self.node_config, self.site_file)
 
-    def _close_group(self, why: str) -> dict[str, Any]:
-        group, self.group, self.group_key = self.group, None, None
-        if group is None:
-            return {"pids": []}
-        if not self.busy:
-            # Lets the ranks leave their process groups, so they exit at once on close.
-            with contextlib.suppress(Exception):
-                group.fire_event("_end_run")
-        report = group.close()
-        _log(f"closed the group of run {self.run_id} ({why}): {report}")
-        return dict(report)
+    # ---- requests --------------------------------------------------------------------
 
     def _execute(self, req: dict[str, Any]) -> dict[str, Any]:
-        from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup, StartupFailed
-
-        run_id = int(req["run_id"])
-        with self.lock:
-            self.last_active = time.monotonic()
-            if self.stopping.is_set():
-                return {"error": "the rankexec host is shutting down", "rank": None}
-            if self.run_id is not None and run_id != self.run_id:
-                self._close_group(f"run {run_id} started on this node")
-            self.run_id = run_id
-            key = (req["config_key"], run_id)
-            if self.group is not None and self.group_key != key:
-                self._close_group("the app's group settings changed")
-            self.abort_reason = None
-            try:
-                if self.group is None:
-                    cfg = req["config"]
-                    _log(f"starting {cfg['num_of_processes']} ranks for run {run_id}")
-                    self.group = RankGroup(cfg, site=f"node-{self.node_id}", job_id=str(run_id))
-                    self.group_key = key
-                    self.group.start()
-                self.busy = True
-                res = self.group.execute(
-                    "flower",
-                    {},
-                    req["blobs"],
-                    abort_check=lambda: self.abort_reason is not None,
-                    poll_s=0.05,
-                    abort_reason="the Flower run was stopped",
-                )
-                blobs = {k: v for k, v in res.blobs.items()}
-                return {"ok": True, "blobs": blobs, "pids": self.group.pids()}
-            except (RankFailed, StartupFailed) as e:
-                rank = getattr(e, "rank", None)
-                pid = getattr(e, "pid", None)
-                remote = getattr(e, "remote_message", None)
-                cause = getattr(e, "cause", None) or str(e)
-                if remote:
-                    # The rank's traceback: its last line first (the exception), then all.
-                    lines = [ln for ln in str(remote).strip().splitlines() if ln.strip()]
-                    cause = f"{lines[-1].strip()}\n{remote}" if lines else cause
-                self._close_group(f"rank {rank} failed")
-                return {"error": str(cause), "rank": rank, "pid": pid, "kind": type(e).__name__}
-            except Aborted as e:
-                self._close_group("aborted")
-                return {"error": f"aborted: {e.reason}", "rank": None, "kind": "Aborted"}
-            except RankexecError as e:
-                self._close_group(type(e).__name__)
-                return {"error": str(e), "rank": None, "kind": type(e).__name__}
-            finally:
-                self.busy = False
+        try:
+            run_id = int(req["run_id"])
+        except (KeyError, TypeError, ValueError):
+            return {"error": "the request names no run id", "rank": None}
+        while True:
+            with self.lock:
                 self.last_active = time.monotonic()
+                if self.stopping.is_set():
+                    return {"error": "the rankexec host is shutting down", "rank": None}
+                try:
+                    site = self.read_site()
+                except _site.SiteError as e:
+                    return {"error": str(e), "rank": None, "kind": "SiteError"}
+                run = self.runs.get(run_id)
+                if run is None:
+                    limit = int(site.get("max_runs", 4))
+                    if len(self.runs) >= limit:
+                        return {
+                            "error": f"run {run_id}: this node serves at most {limit} runs at"
+                            f" once (rankexec-max-runs or `max_runs` in the site file) and"
+                            f" runs {sorted(self.runs)} hold it; retry when one ends",
+                            "rank": None,
+                            "kind": "SiteError",
+                        }
+                    keep = bool(site.get("log_dir"))
+                    logs = Path(site["log_dir"]) if keep else self.dir
+                    run = Run(run_id, self.node_id, logs / f"run-{run_id}", keep)
+                    self.runs[run_id] = run
+            with run.lock:
+                if run.ended:
+                    continue  # closed while this message waited: a new group
+                out = run.execute(site, req, self.stopping, _log)
+                if run.app is None or run.ended:
+                    # Refused before anything started, or ended by a shutdown.
+                    self._forget(run)
+                return out
 
-    def _close(self, run_id: int | None) -> dict[str, Any]:
+    def _forget(self, run: Run) -> None:
+        with self.lock:
+            if self.runs.get(run.run_id) is run:
+                del self.runs[run.run_id]
+
+    def _end_run(self, run: Run, why: str) -> dict[str, Any]:
+        """Under ``run.lock``: the run's group closes for good and the run is forgotten."""
+        report = run.end(why, _log)
+        self._forget(run)
+        return report
+
+    def _close(self, req: dict[str, Any]) -> dict[str, Any]:
+        run_id = req.get("run_id")
         with self.lock:
             self.last_active = time.monotonic()
-            if run_id is not None and self.run_id is not None and run_id != self.run_id:
+            run = self.runs.get(run_id) if isinstance(run_id, int) else None
+        if run is None:
+            return {"closed": False, "pids": []}
+        with run.lock:
+            app = req.get("app")
+            if run.app is not None and app is not None and dict(app) != run.app:
+                return {
+                    "error": f"run {run_id}'s group serves another app; this close is refused",
+                    "rank": None,
+                }
+            if run.ended:
                 return {"closed": False, "pids": []}
-            report = self._close_group("closed by the ServerApp")
+            report = self._end_run(run, "closed by the ServerApp")
             return {"closed": True, "pids": report.get("pids", [])}
 
     def _status(self) -> dict[str, Any]:
-        group = self.group
+        with self.lock:
+            runs = {rid: r.status() for rid, r in self.runs.items()}
         return {
             "pid": os.getpid(),
-            "run_id": self.run_id,
-            "pids": group.pids() if group is not None else [],
-            "busy": self.busy,
+            "runs": runs,
+            "run_ids": sorted(runs),
+            "pids": [p for r in runs.values() for p in r["pids"]],
+            "busy": any(r["busy"] for r in runs.values()),
             "supernode_pid": self.supernode_pid,
         }
 
@@ -187,13 +241,13 @@ class Host:
             try:
                 _channel.accept_auth(conn, self.secret)
                 req = _channel.recv(conn)
-                op = req.get("op")
+                op = req.get("op") if isinstance(req, dict) else None
                 if op == "execute":
                     out = self._execute(req)
                     blobs = out.pop("blobs", {})
                     out["blobs"] = {k: _pickle_buffer(v) for k, v in blobs.items()}
                 elif op == "close":
-                    out = self._close(req.get("run_id"))
+                    out = self._close(req)
                 elif op == "status":
                     out = self._status()
                 else:
@@ -206,79 +260,129 @@ class Host:
                 with contextlib.suppress(Exception):
                     _channel.send(conn, {"error": f"rankexec host: {type(e).__name__}: {e}"})
 
+    def _run_finished(self, run_id: int) -> bool:
+        """Whether the SuperLink says the run is over (``flwr stop`` or its end)."""
+        if not self.superlink:
+            return False
+        status = _control.run_status(self.superlink, run_id)
+        return status is not None and status.startswith("finished")
+
     def _watch(self) -> None:
-        next_status = 0.0
+        next_status: dict[int, float] = {}
         while not self.stopping.wait(0.25):
             if self.supernode_pid is not None and not _pid_alive(self.supernode_pid):
                 self.shutdown(f"the SuperNode (pid {self.supernode_pid}) is gone")
                 return
             now = time.monotonic()
-            if self.group is not None and self.superlink and self.run_id and now >= next_status:
-                next_status = now + 2.0
-                status = _control.run_status(self.superlink, self.run_id)
-                if status is not None and status.startswith("finished"):
-                    self._run_ended(f"run {self.run_id} is finished (flwr stop or its end)")
-            if not self.busy and now - self.last_active > self.lease_s:
-                if self.group is not None:
-                    if self.lock.acquire(timeout=1):
-                        try:
-                            if not self.busy:
-                                self._close_group("the idle lease ran out")
-                                self.last_active = time.monotonic()
-                        finally:
-                            self.lock.release()
-                else:
-                    self.shutdown("idle, no group, the lease ran out")
-                    return
+            with self.lock:
+                runs = list(self.runs.values())
+                idle = now - self.last_active
+            for run in runs:
+                if run.group is not None and now >= next_status.get(run.run_id, 0.0):
+                    next_status[run.run_id] = now + 2.0
+                    if self._run_finished(run.run_id):
+                        self._run_ended(run, f"run {run.run_id} is finished (flwr stop or its end)")
+                        continue
+                if now - run.last_active > self.lease_s and run.lock.acquire(blocking=False):
+                    try:
+                        if not run.ended and time.monotonic() - run.last_active > self.lease_s:
+                            self._end_run(run, "the idle lease ran out")
+                    finally:
+                        run.lock.release()
+            if not runs and idle > self.lease_s:
+                self.shutdown("idle, no run, the lease ran out")
+                return
 
-    def _run_ended(self, why: str) -> None:
-        if self.busy:
-            _log(f"aborting the task in flight: {why}")
-            self.abort_reason = why
-            group = self.group
-            if group is not None:
-                group.abort("the Flower run was stopped")
-            return  # the serving thread closes the group when the abort lands
-        if self.lock.acquire(timeout=1):
+    def _run_ended(self, run: Run, why: str) -> None:
+        if run.lock.acquire(blocking=False):
             try:
-                if not self.busy:
-                    self._close_group(why)
+                if not run.ended:
+                    self._end_run(run, why)
             finally:
-                self.lock.release()
+                run.lock.release()
+            return
+        # A task of the run is in flight: abort it; its serving thread closes the group
+        # when the abort lands, and the next check ends the run.
+        _log(f"aborting run {run.run_id}'s task in flight: {why}")
+        run.abort(why)
 
     def shutdown(self, why: str) -> None:
         if self.stopping.is_set():
             return
         _log(f"shutting down: {why}")
         self.stopping.set()
-        self.abort_reason = why
-        group = self.group
-        if group is not None and self.busy:
-            group.abort(why)
-        got = self.lock.acquire(timeout=30)
-        try:
-            self._close_group(why)
-        finally:
-            if got:
-                self.lock.release()
+        with self.lock:
+            runs = list(self.runs.values())
+        for run in runs:
+            if run.busy:
+                run.abort(why)
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+        for run in runs:
+            if run.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    if not run.ended:
+                        self._end_run(run, why)
+                finally:
+                    run.lock.release()
+            else:
+                _log(
+                    f"run {run.run_id}'s task did not return within {_SHUTDOWN_WAIT_S}s of"
+                    " its abort; its serving thread closes the group when it does"
+                )
         for name in ("host.sock", "secret", "host.pid"):
-            with contextlib.suppress(OSError):
+            self._unlink_ours(name)
+
+    # ---- the node's files ------------------------------------------------------------
+
+    def _take_node(self) -> None:
+        """Holds ``host.lock`` for this process's life, or raises ``HostTaken``."""
+        path = self.dir / "host.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise HostTaken(
+                f"another rankexec host (pid {other}) serves node {self.node_id} from"
+                f" {self.dir} (it holds {path}); this one does not start"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        # The lock is ours, so a socket or secret left here is a dead host's.
+        for name in ("host.sock", "secret", "host.pid"):
+            with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
 
+    def _note_made(self, name: str) -> None:
+        self._made[name] = (self.dir / name).lstat().st_ino
+
+    def _unlink_ours(self, name: str) -> None:
+        ino = self._made.pop(name, None)
+        path = self.dir / name
+        with contextlib.suppress(OSError):
+            if ino is not None and path.lstat().st_ino == ino:
+                path.unlink()
+
     def serve(self) -> int:
+        if self._lock_fd is None:
+            self._take_node()
         self.secret = _channel.write_secret(self.dir / "secret")
+        self._note_made("secret")
         path = self.dir / "host.sock"
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(str(path))
+        self._note_made("host.sock")
         os.chmod(path, 0o600)
         srv.listen(16)
         srv.settimeout(0.25)
         (self.dir / "host.pid").write_text(str(os.getpid()))
+        self._note_made("host.pid")
         _log(
             f"serving node {self.node_id} on {path} (SuperNode pid {self.supernode_pid},"
-            f" SuperLink {self.superlink}, lease {self.lease_s}s)"
+            f" SuperLink {self.superlink}, lease {self.lease_s}s, site file"
+            f" {self.site_file}, node config {self.node_config})"
         )
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
         while not self.stopping.is_set():
@@ -307,10 +411,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-id", required=True, type=int)
     p.add_argument("--supernode-pid", type=int, default=None)
     p.add_argument("--superlink", default=None, help="an insecure SuperLink's address")
-    p.add_argument("--lease", type=float, default=300.0, help="idle seconds")
+    p.add_argument("--lease", type=float, default=None, help="idle seconds (default: the site's)")
+    p.add_argument("--site", default=None, help="the site file (default: the SuperNode's)")
+    p.add_argument(
+        "--node-config", default=None, help="the SuperNode's --node-config (default: read it)"
+    )
     a = p.parse_args(argv)
     directory = _channel.private_dir(a.dir) if a.dir else _channel.node_dir(a.node_id)
-    host = Host(directory, a.node_id, a.supernode_pid, a.superlink, a.lease)
+    try:
+        host = Host(
+            directory, a.node_id, a.supernode_pid, a.superlink, a.lease, a.site, a.node_config
+        )
+        host._take_node()
+    except (HostTaken, _site.SiteError) as e:
+        _log(str(e))
+        return HOST_TAKEN_EXIT if isinstance(e, HostTaken) else 2
 
     def on_signal(signum: int, _frame: Any) -> None:
         threading.Thread(target=host.shutdown, args=(f"signal {signum}",), daemon=True).start()

@@ -71,8 +71,8 @@ def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     sys.modules.pop("tinyapp", None)
 
 
-def _call(app, node: int, raise_rank: int = -1, lease: float = 300.0):
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 41, 0, 1
+def _call(app, node: int, raise_rank: int = -1, run: int = 41):
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run, 0, 1
     content = RecordDict(
         {
             "arrays": ArrayRecord([np.arange(4, dtype=np.float32)]),
@@ -80,7 +80,8 @@ def _call(app, node: int, raise_rank: int = -1, lease: float = 300.0):
         }
     )
     msg = Message(content, dst_node_id=node, message_type="train")
-    ctx = Context(41, node, {"rankexec-lease": lease}, RecordDict(), {})
+    # The app's node config is not the site's: the host reads the site itself.
+    ctx = Context(run, node, {"rankexec-lease": 1.0}, RecordDict(), {})
     return app(msg, ctx), ctx
 
 
@@ -123,9 +124,12 @@ def test_ranks_stay_a_raise_relaunches_and_the_lease_ends_everything(app) -> Non
     wait_until(lambda: not pid_alive(host_pid), 30, "the host gone")
 
 
-def test_the_lease_ends_a_group_and_its_host(app) -> None:
+def test_the_lease_ends_a_group_and_its_host(app, tmp_path: Path, monkeypatch) -> None:
     node = 7002
-    reply, _ = _call(app, node, lease=1.0)
+    site = tmp_path / "site.json"
+    site.write_text('{"lease_s": 1.0}')
+    monkeypatch.setenv("RANKEXEC_FLOWER_SITE", str(site))  # the host's own environment
+    reply, _ = _call(app, node)
     assert not reply.has_error(), reply.error
     st = host_status(node)
     assert st is not None
@@ -176,3 +180,176 @@ def test_an_explicit_host_and_a_message_during_a_teardown(app, tmp_path: Path) -
         host.wait(30)
         log.close()
     assert all(not pid_alive(p) for p in old)
+
+
+# ---- the site decides, in the host; runs apart; one host per node (issue 33) ----------
+
+
+def _start_host(node: int, tmp_path: Path, *extra: str):
+    import subprocess
+
+    log = open(tmp_path / f"host-{node}-{len(list(tmp_path.iterdir()))}.log", "wb")  # noqa: SIM115
+    argv = [sys.executable, "-m", "rankexec.flower.host", "--node-id", str(node), *extra]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _raw(node: int, req: dict) -> dict:
+    """A request sent straight to the host's socket, as any process of this uid can."""
+    from rankexec.flower import _channel
+
+    sock = _channel.connect(_channel.node_dir(node), timeout=10)
+    with sock:
+        _channel.send(sock, req)
+        return _channel.recv(sock)
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
+def test_crafted_requests_are_refused_by_the_host_naming_the_site_rule(app, tmp_path) -> None:
+    """The host builds the group from the site's rules; a request sent straight to its
+    socket that asks for more than the site allows is refused, naming the rule, and no
+    rank starts."""
+    node = 7004
+    site = tmp_path / "site.json"
+    site.write_text(
+        '{"launchers": ["builtin", "mpirun"], "max_processes": 2, "gpu": {"devices": ["0"]}}'
+    )
+    host = _start_host(node, tmp_path, "--site", str(site), "--lease", "60")
+    try:
+        wait_until(lambda: host_status(node) is not None, 60, "the host listening")
+        ref = app._ref()
+        cases = {
+            "extra launcher arguments": (
+                {"launcher": {"mpirun": {"extra_args": ["-x", "LD_PRELOAD=/tmp/evil.so"]}}},
+                "this node allows exactly",
+                "`launchers` in the site file",
+            ),
+            "another interpreter": (
+                {"python": "/tmp/evil/python"},
+                "the request sets `python`",
+                "`python` in the site file",
+            ),
+            "another rank program": (
+                {"worker": {"program": "/bin/sh", "args": ["-c", "id"]}},
+                "the request sets `worker`",
+                "`python` in the site file",
+            ),
+            "an environment variable": (
+                {"env": {"set": {"LD_PRELOAD": "/tmp/evil.so"}}},
+                "the request sets `env`",
+                "`env` in the site file",
+            ),
+            "more processes": (
+                {"num_of_processes": 3},
+                "num_of_processes=3: this node allows 1 to 2",
+                "`max_processes` in the site file",
+            ),
+            "more GPUs": (
+                {"gpu": {"devices": ["0", "1"]}},
+                "GPU devices ['1']; this node allows ['0']",
+                "`gpu.devices` in the site file",
+            ),
+        }
+        for what, (request, says, rule) in cases.items():
+            out = _raw(
+                node,
+                {"op": "execute", "run_id": 5, "app": ref, "request": request, "blobs": {}},
+            )
+            print(f"\n[flower-site] {what}: {out.get('error')}")
+            assert out.get("kind") == "SiteError", (what, out)
+            assert says in out["error"] and rule in out["error"], (what, out)
+            assert str(site) in out["error"], "the message names the site file"
+        st = host_status(node)
+        assert st is not None and st["pids"] == [] and st["run_ids"] == [], st
+        # The same request through the ClientApp is answered with Flower's Error.
+        app._settings["num_of_processes"] = 3
+        try:
+            reply, _ = _call(app, node)
+        finally:
+            app._settings["num_of_processes"] = 2
+        assert reply.has_error() and "refused by the node's site" in reply.error.reason
+        assert "this node allows 1 to 2" in reply.error.reason
+    finally:
+        _stop(host)
+
+
+def test_two_runs_on_one_node_keep_their_own_groups(app, tmp_path, monkeypatch) -> None:
+    """Two runs on one node each keep their own group; a request for one run can neither
+    close the other's group nor import another app into it; a third run is refused by
+    the site's ``max_runs``, naming the runs that hold the node."""
+    node = 7005
+    site = tmp_path / "site.json"
+    site.write_text('{"max_runs": 2, "lease_s": 300}')
+    monkeypatch.setenv("RANKEXEC_FLOWER_SITE", str(site))
+    reply_a, _ = _call(app, node, run=41)
+    reply_b, _ = _call(app, node, run=42)
+    assert not reply_a.has_error() and not reply_b.has_error(), (reply_a, reply_b)
+    st = host_status(node)
+    assert st is not None
+    host_pid = st["pid"]
+    a, b = list(st["runs"][41]["pids"]), list(st["runs"][42]["pids"])
+    print(f"\n[flower-runs] run 41's ranks {a}, run 42's ranks {b}")
+    assert len(a) == 2 and len(b) == 2 and not set(a) & set(b)
+    for _ in range(2):  # interleaved: each run's rank 0 serves each of its messages
+        for run, pids in ((41, a), (42, b)):
+            reply, _ = _call(app, node, run=run)
+            assert not reply.has_error(), reply.error
+            assert int(reply.content["metrics"]["pid"]) == pids[0], (run, pids)
+    # A request for run 42 that names another app is refused; run 42's ranks stay.
+    evil = {"app_dir": str(tmp_path), "module": "evil_app", "attr": "app"}
+    out = _raw(node, {"op": "execute", "run_id": 42, "app": evil, "request": {}, "blobs": {}})
+    print(f"[flower-runs] another app for run 42: {out.get('error')}")
+    assert "one app per run" in out["error"]
+    assert host_status(node)["runs"][42]["pids"] == b
+    # A third run: refused by the site's limit, said clearly.
+    reply, _ = _call(app, node, run=43)
+    print(f"[flower-runs] a third run: {reply.error.reason if reply.has_error() else 'served'}")
+    assert reply.has_error() and "at most 2 runs" in reply.error.reason
+    assert "[41, 42]" in reply.error.reason and "max_runs" in reply.error.reason
+    # Run 41's close ends run 41's group only.
+    close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+    reply = app(close, Context(41, node, {}, RecordDict(), {}))
+    assert dict(reply.content["rankexec"]) == {"closed": 1, "ranks": 2}
+    wait_until(lambda: not any(pid_alive(p) for p in a), 30, "run 41's ranks gone")
+    assert all(pid_alive(p) for p in b), "run 42's ranks live on"
+    reply, _ = _call(app, node, run=42)
+    assert int(reply.content["metrics"]["pid"]) == b[0]
+    assert not (tmp_path / "rx" / f"node-{node}" / "run-41").exists(), "run 41's logs went"
+    reply = app(close, Context(42, node, {}, RecordDict(), {}))
+    assert dict(reply.content["rankexec"]) == {"closed": 1, "ranks": 2}
+    os.kill(host_pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(host_pid), 30, "the host gone")
+    assert all(not pid_alive(p) for p in a + b)
+
+
+def test_one_host_per_node(app, tmp_path) -> None:
+    """A second host for a node refuses to start, naming the first's pid, and leaves the
+    first's socket and secret alone; a host removes only what it created."""
+    node = 7006
+    first = _start_host(node, tmp_path, "--lease", "60")
+    try:
+        wait_until(lambda: host_status(node) is not None, 60, "the first host listening")
+        directory = tmp_path / "rx" / f"node-{node}"
+        secret = (directory / "secret").read_bytes()
+        second = _start_host(node, tmp_path, "--lease", "60")
+        code = second.wait(60)
+        log = max(tmp_path.glob(f"host-{node}-*.log")).read_text()
+        print(f"\n[flower-host] a second host: exit {code}: {log.strip().splitlines()[-1]}")
+        assert code == 3, log
+        assert f"another rankexec host (pid {first.pid}) serves node {node}" in log
+        assert (directory / "secret").read_bytes() == secret, "the first's secret stays"
+        assert host_status(node)["pid"] == first.pid, "the first host still serves"
+        reply, _ = _call(app, node)
+        assert not reply.has_error(), reply.error
+        ranks = host_status(node)["pids"]
+    finally:
+        _stop(first)
+    assert all(not pid_alive(p) for p in ranks)
+    left = sorted(p.name for p in directory.iterdir())
+    print(f"[flower-host] the node's folder after the host: {left}")
+    assert not {"host.sock", "secret", "host.pid"} & set(left), left

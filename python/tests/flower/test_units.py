@@ -132,20 +132,34 @@ def test_the_site_decides_launcher_gpus_program_and_size(tmp_path: Path) -> None
     site_file = tmp_path / "site.json"
     site_file.write_text(
         '{"python": "/opt/py/bin/python", "env": {"set": {"A": "1"}},'
-        ' "max_processes": 4, "gpu": {"devices": ["0", "1"]}}'
+        ' "max_processes": 4, "gpu": {"devices": ["0", "1"]}, "launchers": ["builtin", "mpirun"]}'
     )
     site = _site.load({"rankexec-site": str(site_file)})
-    app = {"num_of_processes": 2, "gpu": {"mode": "per_rank", "devices": ["7"]}}
+    app = {"num_of_processes": 2, "gpu": {"mode": "per_rank", "devices": ["1"]}}
     cfg = _site.group_config(site, app, "/logs")
     assert cfg["worker"]["program"] == "/opt/py/bin/python"
-    assert cfg["gpu"] == {"mode": "per_rank", "devices": ["0", "1"]}
+    assert cfg["gpu"] == {"mode": "per_rank", "devices": ["1"]}, "a subset of the site's"
     assert cfg["env"] == {"set": {"A": "1"}} and cfg["num_of_processes"] == 2
     with pytest.raises(_site.SiteError, match="allows 1 to 4"):
         _site.group_config(site, {"num_of_processes": 8}, "/logs")
     with pytest.raises(_site.SiteError, match="torchrun"):
         _site.group_config(site, {"launcher": {"torchrun": {}}}, "/logs")
+    # Exact matching: `mpirun` is allowed, `mpirun` with arguments is another launcher.
+    assert _site.group_config(site, {"launcher": {"mpirun": {}}}, "/logs")["launcher"]
+    with pytest.raises(_site.SiteError, match="`launchers` in the site file"):
+        _site.group_config(
+            site, {"launcher": {"mpirun": {"extra_args": ["-x", "LD_PRELOAD=/x.so"]}}}, "/logs"
+        )
+    with pytest.raises(_site.SiteError, match=r"GPU devices \['7'\]; this node allows"):
+        _site.group_config(site, {"gpu": {"devices": ["0", "7"]}}, "/logs")
     with pytest.raises(_site.SiteError, match="GPU devices"):
         _site.group_config({}, {"gpu": {"devices": ["0"]}}, "/logs")
+    for key in ("env", "python", "worker"):
+        with pytest.raises(_site.SiteError, match=f"the request sets `{key}`: on this node"):
+            _site.group_config(site, {key: {}}, "/logs")
     site = _site.load({"rankexec-launcher": "torchrun", "rankexec-gpus": "2,3"})
     cfg = _site.group_config(site, {"launcher": "builtin"}, "/logs")
     assert cfg["launcher"] == "torchrun" and cfg["gpu"] == {"devices": ["2", "3"]}
+    site_file.write_text('{"launchres": ["torchrun"]}')
+    with pytest.raises(_site.SiteError, match=r"unknown key\(s\) \['launchres'\]"):
+        _site.load({"rankexec-site": str(site_file)})

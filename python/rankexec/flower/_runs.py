@@ -1,0 +1,159 @@
+"""One run's rank group on a node: the host's unit of work.
+
+Why: two Flower runs may reach one SuperNode at once; each keeps its own group, its
+own lock (one message of that run at a time), its own lease and its own app. A group
+belongs to one (run, node) for its life: a message of the run that names another app
+is refused (never imported into the run's live ranks), a close names its run and its
+app, and a run's end (``close_groups``, ``flwr stop``, the idle lease) removes the
+run's rank logs unless the site keeps them (``log_dir``).
+
+Caveats: the channel proves the caller's uid, not its run: a request is taken at its
+word about which run it belongs to, and can only ever touch the group of the run and
+app it names. Every method that touches ``group`` holds ``lock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rankexec.flower import _site
+
+__all__ = ["Run"]
+
+
+class Run:
+    """A run's group on this node (see the module docs)."""
+
+    def __init__(self, run_id: int, node_id: int, log_dir: Path, keep_logs: bool) -> None:
+        self.run_id = run_id
+        self.node_id = node_id
+        self.log_dir = log_dir
+        self.keep_logs = keep_logs
+        self.lock = threading.Lock()  # held while a message or a close uses the group
+        self.group: Any = None
+        self.key: str | None = None
+        self.app: dict[str, Any] | None = None
+        self.busy = False
+        self.ended = False  # closed for good; a new message makes a new Run
+        self.abort_reason: str | None = None
+        self.last_active = time.monotonic()
+
+    # ---- under self.lock ---------------------------------------------------------------
+
+    def close_group(self, why: str, log: Callable[[str], None]) -> dict[str, Any]:
+        group, self.group, self.key = self.group, None, None
+        if group is None:
+            return {"pids": []}
+        if not self.busy:
+            # Lets the ranks leave their process groups, so they exit at once on close.
+            with contextlib.suppress(Exception):
+                group.fire_event("_end_run")
+        report = group.close()
+        log(f"closed the group of run {self.run_id} ({why}): {report}")
+        return dict(report)
+
+    def end(self, why: str, log: Callable[[str], None]) -> dict[str, Any]:
+        """Closes the group for good and removes the run's logs (unless kept)."""
+        report = self.close_group(why, log)
+        self.ended = True
+        if not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        return report
+
+    def execute(
+        self,
+        site: Mapping[str, Any],
+        req: Mapping[str, Any],
+        stopping: threading.Event,
+        log: Callable[[str], None],
+    ) -> dict[str, Any]:
+        from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup, StartupFailed
+
+        self.last_active = time.monotonic()
+        app = req.get("app")
+        if not isinstance(app, Mapping) or set(app) != {"app_dir", "module", "attr"}:
+            return {"error": "the request names no app (app_dir, module, attr)", "rank": None}
+        if self.app is not None and dict(app) != self.app:
+            return {
+                "error": f"run {self.run_id}'s group on this node serves the app"
+                f" {json.dumps(self.app)}; a request for another app"
+                f" ({json.dumps(dict(app))}) is refused (one app per run)",
+                "rank": None,
+                "kind": "SiteError",
+            }
+        try:
+            cfg = _site.group_config(site, req.get("request") or {}, str(self.log_dir))
+        except _site.SiteError as e:
+            log(f"refused a request of run {self.run_id}: {e}")
+            return {"error": str(e), "rank": None, "kind": "SiteError"}
+        key = json.dumps(cfg, sort_keys=True)
+        if self.group is not None and self.key != key:
+            self.close_group("the site's settings or the app's requests changed", log)
+        self.app = dict(app)
+        self.abort_reason = None
+        try:
+            if self.group is None:
+                log(f"starting {cfg['num_of_processes']} ranks for run {self.run_id}")
+                self.group = RankGroup(cfg, site=f"node-{self.node_id}", job_id=str(self.run_id))
+                self.key = key
+                self.group.start()
+            self.busy = True
+            res = self.group.execute(
+                "flower",
+                {},
+                req["blobs"],
+                abort_check=lambda: self.abort_reason is not None,
+                poll_s=0.05,
+                abort_reason="the Flower run was stopped",
+            )
+            blobs = {k: v for k, v in res.blobs.items()}
+            return {"ok": True, "blobs": blobs, "pids": self.group.pids()}
+        except (RankFailed, StartupFailed) as e:
+            rank = getattr(e, "rank", None)
+            pid = getattr(e, "pid", None)
+            remote = getattr(e, "remote_message", None)
+            cause = getattr(e, "cause", None) or str(e)
+            if remote:
+                # The rank's traceback: its last line first (the exception), then all.
+                lines = [ln for ln in str(remote).strip().splitlines() if ln.strip()]
+                cause = f"{lines[-1].strip()}\n{remote}" if lines else cause
+            self.close_group(f"rank {rank} failed", log)
+            return {"error": str(cause), "rank": rank, "pid": pid, "kind": type(e).__name__}
+        except Aborted as e:
+            self.close_group("aborted", log)
+            return {"error": f"aborted: {e.reason}", "rank": None, "kind": "Aborted"}
+        except RankexecError as e:
+            self.close_group(type(e).__name__, log)
+            return {"error": str(e), "rank": None, "kind": type(e).__name__}
+        finally:
+            self.busy = False
+            self.last_active = time.monotonic()
+            if stopping.is_set() and self.group is not None:
+                # The host is shutting down and could not wait for this task: the
+                # group is closed here, by the thread that used it.
+                self.end("the host is shutting down", log)
+
+    # ---- without the lock --------------------------------------------------------------
+
+    def abort(self, why: str) -> None:
+        """Aborts the task in flight (the serving thread closes the group after it)."""
+        self.abort_reason = why
+        group = self.group
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.abort(why)
+
+    def status(self) -> dict[str, Any]:
+        group = self.group
+        return {
+            "run_id": self.run_id,
+            "pids": group.pids() if group is not None else [],
+            "busy": self.busy,
+        }
