@@ -1,12 +1,13 @@
-"""A few questions to an insecure SuperLink's Control API, asked in-process.
+"""A few questions to a SuperLink's Control API, asked in-process.
 
-Why: the per-node host checks whether its run is still running (to act on ``flwr
-stop``), and ``rankexec.flower.deployment`` waits on runs and nodes; spawning the
+Why: ``rankexec.flower.deployment`` waits on runs and nodes; spawning the
 ``flwr`` CLI for each poll costs a second of CPU, a direct HTTP call costs a few
 milliseconds. Uses flwr 1.42's ``ControlHttpClient`` as the CLI does.
 
-Caveat: ``--insecure`` SuperLinks without account auth only; every failure returns
-None (the caller falls back to its lease or its deadline).
+Caveat: SuperLinks without account auth only (``--insecure``, or TLS with
+``root_certificates``, the CA's PEM file); every failure returns None (the caller
+falls back to its deadline). The node's host does not use it: it asks the Fleet API
+(``_runcheck``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from typing import Any
 __all__ = ["online_nodes", "run_status"]
 
 
-def _client(address: str) -> Any:
+def _client(address: str, root_certificates: str | None = None) -> Any:
     from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
     from flwr.supercore.control.control_http_client import ControlHttpClient
     from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
 
     return ControlHttpClient.from_server_address(
         server_address=address,
-        insecure=True,
-        root_certificates=None,
+        insecure=root_certificates is None,
+        root_certificates=root_certificates,
         interceptors=[
             CliClientHttpInterceptor(),
             RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
@@ -33,12 +34,12 @@ def _client(address: str) -> Any:
     )
 
 
-def run_status(address: str, run_id: int) -> str | None:
+def run_status(address: str, run_id: int, root_certificates: str | None = None) -> str | None:
     """``"running"``, ``"finished:completed"``, ``"finished:stopped"``..., or None."""
     try:
         from flwr.proto.control_pb2 import ListRunsRequest
 
-        client = _client(address)
+        client = _client(address, root_certificates)
         try:
             res = client.ListRuns(ListRunsRequest(run_id=run_id))
         finally:
@@ -53,12 +54,12 @@ def run_status(address: str, run_id: int) -> str | None:
         return None
 
 
-def online_nodes(address: str) -> int | None:
+def online_nodes(address: str, root_certificates: str | None = None) -> int | None:
     """How many SuperNodes are online, or None."""
     try:
         from flwr.proto.control_pb2 import ListNodesRequest
 
-        client = _client(address)
+        client = _client(address, root_certificates)
         try:
             res = client.ListNodes(ListNodesRequest())
         finally:

@@ -9,8 +9,14 @@ API, ``rankexec.flower._control``, in-process), and stops every process it
 started by pid (``stop()``), SuperExecs included (they follow their parents through
 ``--parent-pid``).
 
-Caveats: ``--insecure`` only (a loopback test federation); every wait is bounded and
-raises ``DeploymentError`` with the logs' tails.
+Production shapes: ``tls=True`` runs the SuperLink with TLS (a CA and a certificate
+for 127.0.0.1 made under ``root/tls`` by ``_tls``; the SuperNodes and ``flwr`` trust
+the CA); ``node_auth=True`` adds SuperNode authentication (``--enable-supernode-auth``,
+a key pair per node under ``root/keys``, each public key registered with ``flwr
+supernode register`` before its SuperNode starts). Without either: ``--insecure``.
+
+Caveats: a loopback test federation; every wait is bounded and raises
+``DeploymentError`` with the logs' tails.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower import _control
+from rankexec.flower import _control, _tls
 
 __all__ = ["Deployment", "DeploymentError", "free_port"]
 
@@ -58,6 +64,8 @@ class Deployment:
         env: dict[str, str] | None = None,
         *,
         simulation_nodes: int = 0,
+        tls: bool = False,
+        node_auth: bool = False,
     ) -> None:
         self.root = Path(root)
         self.home = self.root / "flwr-home"
@@ -80,6 +88,14 @@ class Deployment:
         self.supernodes: list[subprocess.Popen[bytes]] = []
         self._logs: list[Path] = []
         self.last_failure = ""  # the ServerApp log of the last run that did not complete
+        # TLS (node authentication needs it, as Flower does) and the nodes' keys.
+        self.tls = _tls.make_tls(self.root / "tls") if (tls or node_auth) else None
+        self.node_keys = (
+            [_tls.make_node_key(self.root / "keys", f"node-{i}") for i in range(len(node_configs))]
+            if node_auth
+            else []
+        )
+        self._ca = str(self.tls.ca_cert) if self.tls else None
 
     def _spawn(self, argv: list[str], log: str) -> subprocess.Popen[bytes]:
         path = self.root / log
@@ -108,7 +124,7 @@ class Deployment:
         self.superlink = self._spawn(
             [
                 _bin("flower-superlink"),
-                "--insecure",
+                *self._link_security(),
                 "--disable-runtime-dependency-installation",
                 "--port",
                 str(self.port),
@@ -118,17 +134,21 @@ class Deployment:
         )
         config = (
             '[superlink]\ndefault = "dep"\n\n'
-            f'[superlink.dep]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+            f'[superlink.dep]\naddress = "127.0.0.1:{self.port}"\n'
+            + (f'root-certificates = "{self._ca}"\n' if self._ca else "insecure = true\n")
         )
         if self.simulation_nodes:
             config += f"\n[superlink.dep.options]\nnum-supernodes = {self.simulation_nodes}\n"
         (self.home / "config.toml").write_text(config)
+        deadline = time.monotonic() + timeout
+        if self.node_keys:
+            self._register_nodes(deadline)
         for i, node_config in enumerate(self.node_configs):
             self.supernodes.append(
                 self._spawn(
                     [
                         _bin("flower-supernode"),
-                        "--insecure",
+                        *self._node_security(i),
                         "--superlink",
                         f"127.0.0.1:{self.port}",
                         "--port",
@@ -139,7 +159,6 @@ class Deployment:
                     f"supernode-{i}.log",
                 )
             )
-        deadline = time.monotonic() + timeout
         while not self._nodes_online():
             for p in [self.superlink, *self.supernodes]:
                 if p.poll() is not None:
@@ -159,10 +178,48 @@ class Deployment:
             check=False,
         )
 
+    def _link_security(self) -> list[str]:
+        if self.tls is None:
+            return ["--insecure"]
+        args = [
+            "--ssl-ca-certfile",
+            str(self.tls.ca_cert),
+            "--ssl-certfile",
+            str(self.tls.server_cert),
+            "--ssl-keyfile",
+            str(self.tls.server_key),
+        ]
+        return args + (["--enable-supernode-auth"] if self.node_keys else [])
+
+    def _node_security(self, i: int) -> list[str]:
+        if self.tls is None:
+            return ["--insecure"]
+        args = ["--root-certificates", str(self.tls.ca_cert)]
+        if self.node_keys:
+            args += ["--auth-supernode-private-key", str(self.node_keys[i].private)]
+        return args
+
+    def _register_nodes(self, deadline: float) -> None:
+        """``flwr supernode register`` of every node's public key, once the SuperLink
+        answers."""
+        while _control.online_nodes(f"127.0.0.1:{self.port}", self._ca) is None:
+            if self.superlink is None or self.superlink.poll() is not None:
+                raise DeploymentError(f"the SuperLink exited\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"the SuperLink did not come up\n{self.log_tail()}")
+            time.sleep(0.5)
+        for i, key in enumerate(self.node_keys):
+            res = self.flwr("supernode", "register", str(key.public), "dep", "--name", f"node-{i}")
+            if res.returncode != 0:
+                raise DeploymentError(
+                    f"flwr supernode register failed ({res.returncode}): {res.stdout}"
+                    f"\n{res.stderr}\n{self.log_tail()}"
+                )
+
     def _nodes_online(self) -> bool:
         if self.simulation_nodes:
-            return _control.online_nodes(f"127.0.0.1:{self.port}") is not None
-        n = _control.online_nodes(f"127.0.0.1:{self.port}")
+            return _control.online_nodes(f"127.0.0.1:{self.port}", self._ca) is not None
+        n = _control.online_nodes(f"127.0.0.1:{self.port}", self._ca)
         return n is not None and n >= len(self.node_configs)
 
     def submit(self, app_dir: Path, run_config: dict[str, Any] | None = None) -> int:
@@ -183,7 +240,7 @@ class Deployment:
 
     def status(self, run_id: int) -> str:
         """``running``, ``finished:completed``, ``finished:stopped``... (``""``: unknown)."""
-        return _control.run_status(f"127.0.0.1:{self.port}", run_id) or ""
+        return _control.run_status(f"127.0.0.1:{self.port}", run_id, self._ca) or ""
 
     def wait_run(self, run_id: int, timeout: float) -> str:
         """Waits until the run is finished; returns its status line (``finished:completed``...)."""
