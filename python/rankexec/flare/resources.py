@@ -284,10 +284,13 @@ class GpuResourceManager(ResourceManagerSpec, FLComponent):
         return num, mem
 
     def _release(self, token: str, why: str) -> None:
+        # Popped and released under the lock that allocate_resources takes: a
+        # reservation is either live (and allocatable) or gone from the ledger.
         with self._lock:
             held = self._held.pop(token, None)
+            if held is not None:
+                held.reservation.release()
         if held is not None:
-            held.reservation.release()
             self.logger.info(f"job {held.job_id}: {why} {held.reservation.id}")
 
     def _start_sweeper(self) -> None:
@@ -302,15 +305,26 @@ class GpuResourceManager(ResourceManagerSpec, FLComponent):
         period = min(1.0, self.expiration_period / 4)
         while not self._stop.wait(period):
             now = time.monotonic()
+            # Picked, removed and released under one hold of the lock: an allocation
+            # either comes first (the reservation is no longer expiring) or finds the
+            # token gone (ReservationUnknown); it never gets GPUs whose entry is removed.
             with self._lock:
                 expired = [
-                    t for t, h in self._held.items() if h.deadline is not None and h.deadline <= now
+                    (t, h)
+                    for t, h in self._held.items()
+                    if h.deadline is not None and h.deadline <= now
                 ]
-                if not expired and all(h.deadline is None for h in self._held.values()):
+                for t, h in expired:
+                    del self._held[t]
+                    h.reservation.release()
+                idle = all(h.deadline is None for h in self._held.values())
+                if idle:
                     self._sweeper = None
-                    return
-            for t in expired:
-                self._release(t, f"expired (no start within {self.expiration_period:g} s)")
+            for _, h in expired:
+                why = f"expired (no start within {self.expiration_period:g} s)"
+                self.logger.info(f"job {h.job_id}: {why} {h.reservation.id}")
+            if idle:
+                return
 
 
 class GpuResourceConsumer(ResourceConsumerSpec):

@@ -143,6 +143,50 @@ def test_a_reservation_never_started_expires(site):
     m.close()
 
 
+def test_expiry_racing_allocation_never_books_a_gpu_twice(site):
+    """Reservations expiring while their jobs are allocated, many times: each job's
+    allocation either wins (its ledger entry stays for as long as the job runs) or
+    loses (ReservationUnknown, the entry gone); never both, a job running on GPUs whose
+    ledger entry the expiry removed (the next job would be admitted onto them). Twenty
+    small reservations expire together so that the expiry thread releases them one by
+    one while this thread allocates them from the other end."""
+    import random
+
+    period, jobs, rounds = 0.05, 20, 25
+    spec = {"num_of_gpus": 1, "mem_per_gpu_in_GiB": 0.25}
+    m = GpuResourceManager(expiration_period=period)
+    won = {"allocation": 0, "expiry": 0}
+    try:
+        for r in range(rounds):
+            tokens = []
+            for k in range(jobs):
+                ok, token = m.check_resources(spec, ctx(f"job-{r}-{k}"))
+                assert ok, token
+                tokens.append((k, token))
+            time.sleep(period * random.uniform(0.8, 1.4))
+            running = {}
+            for k, token in reversed(tokens):
+                try:
+                    running[token] = m.allocate_resources(spec, token, ctx(f"job-{r}-{k}"))
+                    won["allocation"] += 1
+                except ReservationUnknown:
+                    won["expiry"] += 1
+            wait_until(lambda: m._sweeper is None, "the expiry thread idle")
+            held = sorted(e["id"] for e in ledger())
+            grants = sorted(g["grant"] for g in running.values())
+            assert held == grants, (
+                f"round {r}: jobs {sorted(set(grants) - set(held))} run on GPUs the ledger"
+                " no longer holds for them"
+            )
+            for token, got in running.items():
+                m.free_resources(got, token, ctx("-"))
+            assert ledger() == []
+    finally:
+        m.close()
+    print(f"\n[gpu-authority] {rounds * jobs} races: {won}")
+    assert ledger() == []
+
+
 HOLDER = """
 import sys
 from nvflare.apis.fl_context import FLContext
