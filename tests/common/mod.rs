@@ -304,6 +304,44 @@ impl Drop for Reaper {
     }
 }
 
+/// Processes a test learned of without starting them (a host's ranks, a launcher's
+/// workers), each held by a pidfd opened while the process that started it still
+/// held it, and `SIGKILL`ed through that pidfd on drop: a test that fails (a panic
+/// included) leaves none of them behind, and a reused pid is never signalled. Declare
+/// it after the host's [`Reaper`], so the ranks go first.
+pub struct Held(Vec<(u32, std::os::fd::OwnedFd)>);
+
+impl Held {
+    /// Holds every pid that is still alive (one already gone is skipped: nothing to
+    /// kill later, and its number may already name another process).
+    pub fn new(pids: &[u32]) -> Held {
+        Held(
+            pids.iter()
+                .filter_map(|&pid| {
+                    let raw = rustix::process::Pid::from_raw(i32::try_from(pid).ok()?)?;
+                    let fd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty())
+                        .ok()?;
+                    Some((pid, fd))
+                })
+                .collect(),
+        )
+    }
+
+    /// The pids held.
+    pub fn pids(&self) -> Vec<u32> {
+        self.0.iter().map(|(p, _)| *p).collect()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        for (_, fd) in &self.0 {
+            // Fails (ESRCH) once the process has exited: nothing left to do.
+            let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+        }
+    }
+}
+
 /// Busy processes that keep every core saturated; killed and reaped on drop.
 pub struct Hogs(Vec<std::process::Child>);
 

@@ -244,13 +244,15 @@ pub(super) fn serve(
             pass_fds: settings.endpoint_is_local(),
         },
     });
-    rank.exec.send(&Message::InitAck { result: Ok(()) })?;
-    info!(
-        world_size = rank.env.world_size,
-        components = built.components.len(),
-        "rank ready"
-    );
-
+    // The service threads start before the rank says it is ready: glibc's
+    // `pthread_create` blocks every signal in the calling thread until the new thread
+    // exists, and the last thread started (handle) is the one that acknowledges the
+    // parent's first event. Started after `InitAck`, a rank could be reported ready
+    // (START_RUN acknowledged, pids printed) while its main thread still had every
+    // signal blocked (`SigBlk` 0xfffffffffffbfeff in /proc, issue 32). Nothing is
+    // lost in that window (a blocked signal stays pending), but "ready" now means the
+    // rank's signal state is final. The parent takes heartbeats whenever they come,
+    // and sends events only once every rank acknowledged `Init`.
     let stop = Signal::new();
     spawn("rx-event", {
         let rank = rank.clone();
@@ -272,6 +274,12 @@ pub(super) fn serve(
         let rank = rank.clone();
         move || handle_loop(&rank, events_tx)
     });
+    rank.exec.send(&Message::InitAck { result: Ok(()) })?;
+    info!(
+        world_size = rank.env.world_size,
+        components = built.components.len(),
+        "rank ready"
+    );
     let code = match hook {
         None => exec_loop(&rank, &built.executor),
         Some(hook) => {
