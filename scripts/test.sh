@@ -21,6 +21,10 @@
 #      a clean venv; python/tests/test_docs.py builds the guide, docs/, with `mkdocs
 #      build --strict` and runs or checks every block of README.md and docs/), then
 #      ruff, mypy's stubtest and mypy on the Python sources.
+#   6. after the Rust tests and again at the end (or on a failure), fails when a
+#      process the suite started is still alive, naming it, and kills it
+#      (scripts/leak-check.sh: every such process carries RXTEST_SUITE, a tag this
+#      script sets).
 #
 # Environment:
 #   RANKEXEC_SKIP_PY=1     skip the Python part (no venv, no pytest, no ruff)
@@ -32,6 +36,16 @@ cd "$(dirname "$0")/.."
 
 say() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Every process the suite starts inherits this tag; none may outlive the suite.
+export RXTEST_SUITE="${RXTEST_SUITE:-suite-$(date +%s)-$$}"
+on_exit() {
+    local rc=$?
+    # A failed run still names and kills what it left behind.
+    if [ "$rc" -ne 0 ]; then scripts/leak-check.sh --kill "$RXTEST_SUITE" || true; fi
+    exit "$rc"
+}
+trap on_exit EXIT
 
 TARGET="${CARGO_TARGET_DIR:-target}"
 MPI_PACKAGES="libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev"
@@ -109,6 +123,8 @@ fi
 # --- 3. Rust -----------------------------------------------------------------------------
 say "cargo test --workspace ${FEATURES[*]:-}"
 cargo test --workspace "${FEATURES[@]}" "$@"
+say "no process of the Rust tests outlives them (scripts/leak-check.sh)"
+scripts/leak-check.sh --kill "$RXTEST_SUITE"
 
 # --- 3b. srun under a real Slurm (ranks in another network namespace: python/tests) ------
 scripts/slurm-test.sh "${FEATURES[@]}"
@@ -139,4 +155,6 @@ if [ "$PY_TESTS" = 1 ]; then
     (cd python && python -m mypy.stubtest rankexec._rankexec --allowlist stubtest-allowlist.txt \
         && python -m mypy -p rankexec --ignore-missing-imports)
 fi
+say "no process of the suite outlives it (scripts/leak-check.sh)"
+scripts/leak-check.sh --kill "$RXTEST_SUITE"
 say "all tests passed"
