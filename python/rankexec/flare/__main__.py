@@ -13,7 +13,8 @@ the file it replaces, and prints the change as a diff (``--dry-run``: prints it,
 nothing). A file that does not parse is refused, untouched (``rankexec.flare.site``).
 
 ``python -m rankexec.flare policy WORKSPACE [--component C]... [--worker PROGRAM]...
-[--launcher L]... [--env NAME]... [--byoc-jobs trusted|restricted] [--force]``: writes
+[--launcher L]... [--env NAME]... [--script PATH]... [--byoc-jobs trusted|restricted]
+[--force]``: writes
 the site's policy, ``WORKSPACE/local/rankexec.json`` (see ``rankexec.flare.policy``):
 what a job without custom code may make the executor run. It refuses to replace an
 existing file without ``--force``.
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--worker", action="append", default=[], help="allowed rank program")
     w.add_argument("--launcher", action="append", default=[], choices=["builtin", *policy._KINDS])
     w.add_argument("--env", action="append", default=[], help="variable a job may set")
+    w.add_argument(
+        "--script", action="append", default=[], help="allowed Client API script (no arguments)"
+    )
     w.add_argument("--byoc-jobs", choices=["trusted", "restricted"], default="trusted")
     w.add_argument("--force", action="store_true", help="replace an existing file")
     resources.add_cli(sub)
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.worker,
             launchers=args.launcher,
             env=args.env,
+            scripts=args.script,
             byoc_jobs=args.byoc_jobs,
         )
     except (FileExistsError, policy.PolicyError) as e:

@@ -402,7 +402,14 @@ class MultiProcessExecutor(Executor):
             worker=self._worker,
             launcher=self._options["launcher"],
             env=self._env,
+            **self._policy_subject(fl_ctx),
         )
+
+    def _policy_subject(self, fl_ctx: FLContext) -> dict[str, Any]:
+        """What else of the job the site's policy checks (``ScriptExecutor``: its script
+        and arguments); nothing for a component."""
+        del fl_ctx
+        return {}
 
     def _stop(self, fl_ctx: FLContext) -> None:
         group, self._group = self._group, None

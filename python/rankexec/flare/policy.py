@@ -11,6 +11,9 @@ code the site decides, in ``<site workspace>/local/rankexec.json``::
      "workers": [{"program": "/opt/rankexec/bin/rankexec-worker", "args": []}],
      "launchers": ["builtin", "torchrun"],
      "env": ["NCCL_DEBUG", "NCCL_SOCKET_*"],
+     "scripts": ["/opt/site/flare/train.py",
+                 {"script": "/opt/site/flare/tools/", "args": "*"},
+                 {"script": "/opt/site/flare/eval.py", "args": ["--split", "test"]}],
      "byoc_jobs": "trusted"}
 
 - ``components``: the rank components a job may name in ``rank_component``. An entry
@@ -28,12 +31,22 @@ code the site decides, in ``<site workspace>/local/rankexec.json``::
 - ``env``: the variables a job may set in ``env.set`` (names; ``NAME_*`` matches a
   prefix). ``env.inherit: false`` and ``env.allow`` only narrow what the ranks
   inherit and are always allowed.
+- ``scripts``: the Client API scripts a ``rankexec.flare.ScriptExecutor`` job may run,
+  with their arguments, matched exactly: a string is that script with no arguments;
+  ``{"script", "args"}`` is that script with exactly ``args`` (a list), or with any
+  arguments (``"args": "*"``). A ``script`` ending in ``/`` is a folder: any ``.py``
+  under it. An absolute entry matches the job's script by its real path (symlinks
+  resolved, ``..`` cannot leave the folder); a relative entry matches a relative
+  script the job ships under exactly that name (useful with ``byoc_jobs:
+  "restricted"``, where the job's ``custom/`` code is its own). ``"*"`` allows any
+  script with any arguments. The ``components`` rule does not apply to
+  ``ScriptExecutor`` (its ranks run the script, not a component).
 - ``byoc_jobs``: ``"trusted"`` (default): a job with custom code may set everything,
   since its code already runs in this site's client process (FLARE's ``byoc`` right
   decides whether such a job runs at all); ``"restricted"``: the same rules as above.
 
 Without the file: no components, no workers other than the Python default, only the
-builtin launcher, no environment, and jobs with custom code trusted. A file that does
+builtin launcher, no environment, no scripts, and jobs with custom code trusted. A file that does
 not parse, or has unknown keys or wrong types, refuses every job (``PolicyError``).
 """
 
@@ -51,7 +64,7 @@ __all__ = ["FILE_NAME", "PolicyError", "SitePolicy", "load", "starter"]
 FILE_NAME = "rankexec.json"
 _KINDS = ("torchrun", "mpirun", "srun")
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_KEYS = {"components", "workers", "launchers", "env", "byoc_jobs"}
+_KEYS = {"components", "workers", "launchers", "env", "scripts", "byoc_jobs"}
 
 
 class PolicyError(Exception):
@@ -75,6 +88,7 @@ class SitePolicy:
     workers: tuple[dict[str, Any], ...] = ()
     launchers: tuple[Any, ...] = ("builtin",)
     env: tuple[str, ...] = ()
+    scripts: tuple[Any, ...] = ()
     byoc_jobs: str = "trusted"
 
     def restricts(self, byoc: bool) -> bool:
@@ -88,8 +102,13 @@ class SitePolicy:
         worker: Any = None,
         launcher: Any = "builtin",
         env: Any = None,
+        script: str | None = None,
+        script_args: list[str] | None = None,
+        app_root: str | None = None,
     ) -> None:
-        """Raises ``PolicyError`` naming the first arg the policy does not allow."""
+        """Raises ``PolicyError`` naming the first arg the policy does not allow.
+        ``script``: a ``ScriptExecutor``'s script (with ``script_args``, relative paths
+        under ``app_root``), checked against ``scripts`` instead of a component."""
         if worker is not None and _worker(worker) not in [_worker(w) for w in self.workers]:
             self._refuse("worker", f"the rank program {json.dumps(worker)}", "workers")
         if launcher != "builtin" and _launcher(launcher) not in [
@@ -98,7 +117,24 @@ class SitePolicy:
             self._refuse("launcher", f"the launcher {json.dumps(launcher)}", "launchers")
         if env is not None:
             self._check_env(env)
+        if script is not None:
+            self._check_script(script, list(script_args or []), app_root)
+            return
         self._check_component(rank_component)
+
+    def _check_script(self, script: str, args: list[str], app_root: str | None) -> None:
+        root = app_root or os.getcwd()
+        matched = [e for e in self.scripts if _script_matches(script, e["script"], root)]
+        if not matched:
+            self._refuse("script", f"the script `{script}`", "scripts")
+        if not any(e["args"] == "*" or list(e["args"]) == args for e in matched):
+            allowed = [e["args"] for e in matched]
+            self._refuse(
+                "script_args",
+                f"the script `{script}` with the arguments {json.dumps(args)} (allowed for it:"
+                f" {json.dumps(allowed)})",
+                "scripts",
+            )
 
     def _check_env(self, env: Any) -> None:
         if not isinstance(env, Mapping):
@@ -164,6 +200,29 @@ def _launcher(x: Any) -> Any:
     return x
 
 
+def _script_entry(e: Any) -> dict[str, Any]:
+    if isinstance(e, str):
+        return {"script": e, "args": "*" if e == "*" else []}
+    return {"script": e["script"], "args": e.get("args", [])}
+
+
+def _script_matches(script: str, entry: str, root: str) -> bool:
+    if entry == "*":
+        return True
+    folder = entry.endswith("/")
+    if os.path.isabs(entry):
+        path = os.path.realpath(script if os.path.isabs(script) else os.path.join(root, script))
+        want = os.path.realpath(entry)
+        return path.startswith(want + os.sep) if folder else path == want
+    if os.path.isabs(script):
+        return False
+    rel = os.path.normpath(script)
+    if rel == ".." or rel.startswith("../"):
+        return False
+    want = os.path.normpath(entry)
+    return rel.startswith(want + os.sep) if folder else rel == want
+
+
 def _env_matches(name: str, pattern: str) -> bool:
     if pattern.endswith("*"):
         return name.startswith(pattern[:-1])
@@ -222,6 +281,30 @@ def load(path: str) -> SitePolicy:
             None,
             path,
         )
+    scripts = raw.get("scripts", [])
+    if not isinstance(scripts, list) or not all(
+        (isinstance(e, str) and e)
+        or (
+            isinstance(e, dict)
+            and set(e) <= {"script", "args"}
+            and isinstance(e.get("script"), str)
+            and e["script"]
+            and (
+                e.get("args", []) == "*"
+                or (
+                    isinstance(e.get("args", []), list)
+                    and all(isinstance(a, str) for a in e.get("args", []))
+                )
+            )
+        )
+        for e in scripts
+    ):
+        raise PolicyError(
+            f'{path}: `scripts` must be a list of scripts or {{"script", "args"}}'
+            ' (args: a list of strings or "*")',
+            None,
+            path,
+        )
     byoc = raw.get("byoc_jobs", "trusted")
     if byoc not in ("trusted", "restricted"):
         raise PolicyError(
@@ -234,6 +317,7 @@ def load(path: str) -> SitePolicy:
         workers=tuple(_worker(w) for w in workers),
         launchers=tuple(launchers),
         env=_strings(raw.get("env", []), "env", path),
+        scripts=tuple(_script_entry(e) for e in scripts),
         byoc_jobs=byoc,
     )
 
@@ -244,6 +328,7 @@ def starter(
     launchers: list[str] | None = None,
     env: list[str] | None = None,
     byoc_jobs: str = "trusted",
+    scripts: list[Any] | None = None,
 ) -> dict[str, Any]:
     """A policy file's content: the defaults plus what is given."""
     return {
@@ -251,5 +336,6 @@ def starter(
         "workers": list(workers or []),
         "launchers": ["builtin", *[x for x in launchers or [] if x != "builtin"]],
         "env": list(env or []),
+        "scripts": list(scripts or []),
         "byoc_jobs": byoc_jobs,
     }

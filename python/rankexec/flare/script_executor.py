@@ -31,6 +31,11 @@ meta; rank 0's ``flare.send()`` comes back the same way and is returned to FLARE
 ``FLModelUtils.to_shareable`` builds it. ``flare.log`` records (FLARE's tracking
 writers) become FLARE analytics events (``analytix_log_stats``), as
 ``ClientAPIExecutor`` fires them.
+
+Site policy: a job held to the site's policy (``rankexec.flare.policy``: a job without
+custom code, or any job where ``byoc_jobs`` is ``"restricted"``) runs only a script the
+policy's ``scripts`` names, with arguments it allows; any other is refused at START_RUN
+with the rule and the policy file named, before a rank starts.
 """
 
 from __future__ import annotations
@@ -236,6 +241,14 @@ class ScriptExecutor(MultiProcessExecutor):
             ],
         }
         return cfg
+
+    def _policy_subject(self, fl_ctx: FLContext) -> dict[str, Any]:
+        """The site's policy checks the script and its arguments (``scripts``)."""
+        return {
+            "script": self._script,
+            "script_args": self._script_argv,
+            "app_root": fl_ctx.get_prop(FLContextKey.APP_ROOT),
+        }
 
     # ---- events --------------------------------------------------------------------
 

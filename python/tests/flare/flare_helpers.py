@@ -143,6 +143,7 @@ def site_policy(ws: Path, **keys: list[str] | str) -> Path:
         ("components", "--component"),
         ("launchers", "--launcher"),
         ("env", "--env"),
+        ("scripts", "--script"),
     ):
         for v in keys.get(key, []):
             argv += [flag, v]

@@ -5,6 +5,8 @@ may pick it, unless the site's policy restricts such jobs too."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from .flare_helpers import (
@@ -108,3 +110,44 @@ def test_a_site_can_restrict_jobs_with_custom_code_too(tmp_path):
     print(next(line for line in text.splitlines() if "rank group refused" in line)[:500])
     assert not marker.exists()
     assert rank_pids(ws) == []
+
+
+def test_a_client_api_script_outside_the_policy_is_refused_at_start_run(tmp_path):
+    """A job without custom code whose ScriptExecutor names a script the site's policy
+    does not list is refused at START_RUN with the rule named; the script never runs.
+    Allowing the executor class, or any component, is not enough. (Other arguments for
+    an allowed script: test_policy_units.py, the same check.)"""
+    site_dir = tmp_path / "site-scripts"
+    site_dir.mkdir()
+    marker = tmp_path / "the-script-ran"
+    evil = tmp_path / "elsewhere.py"
+    evil.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    allowed = site_dir / "train.py"
+    allowed.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    cases = {
+        "another script": ({"script": str(evil)}, "job arg `script`: the script"),
+    }
+    for i, (what, (args, says)) in enumerate(cases.items()):
+        client = client_config({"num_of_processes": 2, **args})
+        client["executors"][0]["executor"]["path"] = "rankexec.flare.ScriptExecutor"
+        app = {"server": server_config(num_rounds=1), "client": client}
+        job = write_job(tmp_path, f"script-{i}", {"app": app}, {"app": ["@ALL"]})
+        ws = tmp_path / f"ws-{i}"
+        allow_rankexec(ws)
+        # The site allows the class too (FLARE's class_allow_list): still not enough.
+        res = ws / "local" / "resources.json"
+        doc = json.loads(res.read_text())
+        doc["class_allow_list"].append("rankexec.flare.ScriptExecutor")
+        res.write_text(json.dumps(doc))
+        site_policy(ws, components=["*"], scripts=[str(allowed)])
+        run_sim(job, ws, check=False)
+        text = "\n".join(error_logs(ws).values())
+        assert f"rank group refused: {says}" in text, (what, text[-3000:])
+        assert str(ws / "site-1" / "local" / "rankexec.json") in text
+        assert "under `scripts` there" in text
+        print(
+            f"\n[flare-policy] {what}: "
+            + next(line for line in text.splitlines() if "rank group refused" in line)[:400]
+        )
+        assert not marker.exists(), "the script ran"
+        assert rank_pids(ws) == []

@@ -80,6 +80,56 @@ def test_what_a_policy_allows(tmp_path):
         assert p.path in str(e.value)
 
 
+def test_client_api_scripts_and_their_arguments_are_under_the_policy(tmp_path):
+    """A ScriptExecutor's script is checked against `scripts` (exactly, arguments
+    included); allowing its component is not enough."""
+    site = tmp_path / "site"
+    (site / "tools").mkdir(parents=True)
+    for name in ("train.py", "eval.py", "tools/a.py", "other.py"):
+        (site / name).write_text("")
+    (site / "tools" / "link.py").symlink_to(site / "other.py")
+    p = policy.load(
+        _write(
+            tmp_path,
+            {
+                "components": ["*"],
+                "scripts": [
+                    str(site / "train.py"),
+                    {"script": str(site / "eval.py"), "args": ["--split", "test"]},
+                    {"script": f"{site}/tools/", "args": "*"},
+                    {"script": "custom/client.py", "args": ["--epochs", "2"]},
+                ],
+            },
+        )
+    )
+    run = {"rank_component": "client_api_script", "app_root": str(tmp_path / "app")}
+    p.check(**run, script=str(site / "train.py"))
+    p.check(**run, script=str(site / "eval.py"), script_args=["--split", "test"])
+    p.check(**run, script=f"{site}/tools/a.py", script_args=["--anything"])
+    p.check(**run, script="custom/client.py", script_args=["--epochs", "2"])
+    refused = [
+        ({"script": str(site / "other.py")}, "script"),
+        ({"script": str(site / "train.py"), "script_args": ["--x"]}, "script_args"),
+        ({"script": str(site / "eval.py"), "script_args": ["--split", "train"]}, "script_args"),
+        ({"script": f"{site}/tools/../other.py"}, "script"),
+        ({"script": f"{site}/tools/link.py"}, "script"),  # a link out of the folder
+        ({"script": "custom/client.py"}, "script_args"),
+        ({"script": "custom/../custom/other.py"}, "script"),
+        ({"script": "../client.py"}, "script"),
+        ({"script": "train.py"}, "script"),
+    ]
+    for kwargs, key in refused:
+        with pytest.raises(policy.PolicyError) as e:
+            p.check(**run, **kwargs)
+        assert e.value.key == key, (kwargs, e.value)
+        assert p.path in str(e.value) and "under `scripts` there" in str(e.value)
+    print(f"\n[policy] {e.value}")
+    # Without `scripts`, no script runs, whatever the components allow.
+    bare = policy.load(_write(tmp_path, {"components": ["*", "client_api_script"]}))
+    with pytest.raises(policy.PolicyError, match="job arg `script`"):
+        bare.check(**run, script=str(site / "train.py"))
+
+
 def test_byoc_jobs_are_trusted_unless_the_site_restricts_them(tmp_path):
     assert not policy.load(_write(tmp_path, {})).restricts(byoc=True)
     assert policy.load(_write(tmp_path, {"byoc_jobs": "restricted"})).restricts(byoc=True)
@@ -95,6 +145,8 @@ def test_byoc_jobs_are_trusted_unless_the_site_restricts_them(tmp_path):
         ({"workers": [{"args": []}]}, "`workers` must be a list"),
         ({"launchers": ["command"]}, "`launchers` must be a list"),
         ({"byoc_jobs": "yes"}, "`byoc_jobs` must be"),
+        ({"scripts": [{"script": "/x.py", "args": "--a"}]}, "`scripts` must be a list"),
+        ({"scripts": [{"path": "/x.py"}]}, "`scripts` must be a list"),
     ],
 )
 def test_a_broken_policy_file_is_an_error_naming_it(tmp_path, doc, what):
