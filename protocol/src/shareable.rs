@@ -18,8 +18,9 @@ use crate::value::Value;
 /// Named binary data: model weights, gradients, datasets.
 ///
 /// A blob is cheap to clone (reference counted). A blob that arrived as a sealed
-/// memory file keeps that file, so forwarding it to other ranks passes the same
-/// file again instead of copying the bytes.
+/// memory file keeps that file (and where in it its bytes start: several blobs of one
+/// message share one file), so forwarding it to other ranks passes the same file again
+/// instead of copying the bytes.
 ///
 /// ```
 /// use rankexec_protocol::Blob;
@@ -31,12 +32,18 @@ use crate::value::Value;
 pub struct Blob {
     bytes: Bytes,
     memfd: Option<Arc<OwnedFd>>,
+    /// Where `bytes` start in `memfd` (a multiple of the page size).
+    offset: u64,
 }
 
 impl Blob {
     /// Wraps bytes that live in this process.
     pub fn new(bytes: Bytes) -> Self {
-        Blob { bytes, memfd: None }
+        Blob {
+            bytes,
+            memfd: None,
+            offset: 0,
+        }
     }
 
     /// Wraps bytes mapped from a sealed memory file, keeping the file for forwarding.
@@ -44,9 +51,19 @@ impl Blob {
     /// The caller guarantees that `memfd` is sealed against writes, shrinking and growing and that
     /// `bytes` is a mapping of its contents.
     pub fn from_sealed_memfd(bytes: Bytes, memfd: Arc<OwnedFd>) -> Self {
+        Self::from_sealed_memfd_at(bytes, memfd, 0)
+    }
+
+    /// Wraps bytes mapped from a sealed memory file at `offset` (a multiple of the page
+    /// size): one file holds several blobs.
+    ///
+    /// The caller guarantees that `memfd` is sealed against writes, shrinking and
+    /// growing and that `bytes` is a mapping of its contents from `offset` on.
+    pub fn from_sealed_memfd_at(bytes: Bytes, memfd: Arc<OwnedFd>, offset: u64) -> Self {
         Blob {
             bytes,
             memfd: Some(memfd),
+            offset,
         }
     }
 
@@ -70,9 +87,70 @@ impl Blob {
         Ok(Blob::from_sealed_memfd(bytes, fd))
     }
 
+    /// Builds several blobs in one sealed memory file, each at a page-aligned offset:
+    /// `fill` gets one buffer per entry of `lens`, in order, and writes each once. A
+    /// model of hundreds of tensors so becomes one file (and one descriptor per frame),
+    /// and every blob can still be mapped on its own. The file is admitted against the
+    /// host's available memory first ([`NoMemory`](crate::NoMemory) inside the error).
+    ///
+    /// ```
+    /// use rankexec_protocol::Blob;
+    /// let blobs = Blob::shared_many(&[3, 2], |bufs| {
+    ///     bufs[0].copy_from_slice(b"abc");
+    ///     bufs[1].copy_from_slice(b"de");
+    /// })
+    /// .unwrap();
+    /// assert_eq!(&blobs[1][..], b"de");
+    /// assert!(std::sync::Arc::ptr_eq(blobs[0].memfd().unwrap(), blobs[1].memfd().unwrap()));
+    /// ```
+    pub fn shared_many(
+        lens: &[usize],
+        fill: impl FnOnce(&mut [&mut [u8]]),
+    ) -> std::io::Result<Vec<Blob>> {
+        let mut offsets = Vec::with_capacity(lens.len());
+        let mut total = 0u64;
+        for &len in lens {
+            let at = crate::os::page_align(total);
+            offsets.push(at);
+            total = at + len as u64;
+        }
+        let size = usize::try_from(total)
+            .map_err(|_| std::io::Error::other("blobs larger than the address space"))?;
+        let fd = crate::os::sealed_memfd_with("rankexec-blobs", size, |buf| {
+            let mut parts: Vec<&mut [u8]> = Vec::with_capacity(lens.len());
+            let mut rest = buf;
+            let mut at = 0u64;
+            for (&len, &offset) in lens.iter().zip(&offsets) {
+                let (_, tail) = rest.split_at_mut((offset - at) as usize);
+                let (part, tail) = tail.split_at_mut(len);
+                parts.push(part);
+                rest = tail;
+                at = offset + len as u64;
+            }
+            fill(&mut parts);
+        })?;
+        let (bytes, fd) = crate::os::map_sealed(fd, total).map_err(|e| match e {
+            crate::os::ShmError::Io(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        })?;
+        Ok(lens
+            .iter()
+            .zip(offsets)
+            .map(|(&len, at)| {
+                let start = at as usize;
+                Blob::from_sealed_memfd_at(bytes.slice(start..start + len), fd.clone(), at)
+            })
+            .collect())
+    }
+
     /// The sealed memory file behind this blob, if it has one.
     pub fn memfd(&self) -> Option<&Arc<OwnedFd>> {
         self.memfd.as_ref()
+    }
+
+    /// Where the blob's bytes start in its memory file (0 without one).
+    pub fn memfd_offset(&self) -> u64 {
+        self.offset
     }
 
     /// Whether the blob is backed by a sealed memory file (shared, not copied).

@@ -144,7 +144,11 @@ fn channel() -> impl Strategy<Value = Channel> {
 }
 
 fn carrier() -> impl Strategy<Value = Carrier> {
-    prop_oneof![Just(Carrier::Inline), any::<u32>().prop_map(Carrier::Fd)]
+    prop_oneof![
+        Just(Carrier::Inline),
+        any::<u32>().prop_map(Carrier::Fd),
+        (any::<u32>(), any::<u64>()).prop_map(|(index, offset)| Carrier::FdAt { index, offset }),
+    ]
 }
 
 fn blob_header() -> impl Strategy<Value = BlobHeader> {
@@ -411,7 +415,7 @@ proptest! {
             prop_assert_eq!(&h.name, name);
             prop_assert_eq!(h.len, blob.len() as u64);
             let shared = policy.pass_fds && h.len >= policy.zero_copy_threshold;
-            prop_assert_eq!(matches!(h.carrier, Carrier::Fd(_)), shared);
+            prop_assert_eq!(h.carrier.file().is_some(), shared);
         }
         let msg = Message::Execute(Box::new(Execute {
             task_id: 1,

@@ -208,23 +208,29 @@ class RankGroup:
         abort_check: Callable[[], bool] | None = None,
         poll_s: float = 0.005,
         abort_reason: str = "aborted by the host",
+        consume: bool = False,
     ) -> TaskResult:
         """Runs ``task`` on every rank. ``blobs`` maps names to buffers (bytes, numpy
         arrays, memoryviews; C-contiguous), sent as raw bytes; large ones are copied once
-        into shared memory that every rank maps. ``abort_check`` is polled every
-        ``poll_s`` seconds; when it returns true the task is aborted in every rank
+        into one shared memory file that every rank maps. ``abort_check`` is polled
+        every ``poll_s`` seconds; when it returns true the task is aborted in every rank
         (``abort_reason`` is what the ranks' abort signal and ``Aborted`` say).
+        With ``consume`` (``blobs`` a dict), ``blobs`` is emptied as soon as its buffers
+        are in shared memory, before the ranks run: a caller holding no other reference
+        to a large input frees its own copy for the whole task.
         Starts the group if it was never started."""
         if not self._started:
             self.start()
+        given = blobs if consume and isinstance(blobs, dict) else dict(blobs or {})
         meta_out, blobs_out, props_out, retries = self._native.execute(
             task,
             dict(meta or {}),
-            dict(blobs or {}),
+            given,
             dict(props) if props else None,
             abort_check,
             poll_s,
             abort_reason,
+            consume,
         )
         return TaskResult(meta_out, blobs_out, props_out, retries)
 

@@ -169,9 +169,20 @@ impl Dispatcher {
                 link.send(Channel::Exec, f.clone());
             }
         }
+        let retries = self.cfg.restart.retry_task > 0;
         if let Some(t) = &mut self.task {
             t.span.in_scope(|| debug!("task sent"));
-            t.sent = Some(crate::reclaim::Deferred::new(frames));
+            if retries {
+                t.sent = Some(crate::reclaim::Deferred::new(frames));
+            } else {
+                // Nothing will send this input again: its memory files go with the
+                // frames (the writers hold them until written), so a large model's
+                // pages live only as long as the ranks map them, and a rank that copies
+                // its input and lets go of it frees them before it builds its result.
+                let input = std::mem::take(&mut t.cmd.input);
+                drop(crate::reclaim::Deferred::new((input, frames)));
+                t.sent = Some(crate::reclaim::Deferred::new([None, None]));
+            }
         }
     }
 

@@ -3,6 +3,8 @@
 #[cfg(unix)]
 #[path = "unix.rs"]
 mod imp;
+mod memory;
 
 pub use imp::ShmError;
 pub(crate) use imp::*;
+pub use memory::{NoMemory, admit, available_memory, page_align};

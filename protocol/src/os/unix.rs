@@ -130,8 +130,9 @@ pub(crate) fn effective_uid() -> u32 {
 
 /// Writes `parts` into a new memory file and seals it against any change.
 pub(crate) fn sealed_memfd(name: &str, parts: &[&[u8]]) -> io::Result<OwnedFd> {
-    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
     let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    super::admit(total).map_err(io::Error::other)?;
+    let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
     // Size the file first: one allocation pass in the kernel, and writes never extend it.
     rustix::fs::ftruncate(&fd, total)?;
     let mut file = File::from(fd);
@@ -154,6 +155,7 @@ pub(crate) fn sealed_memfd_with(
     len: usize,
     fill: impl FnOnce(&mut [u8]),
 ) -> io::Result<OwnedFd> {
+    super::admit(len as u64).map_err(io::Error::other)?;
     let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
     rustix::fs::ftruncate(&fd, len as u64)?;
     if len > 0 {

@@ -94,11 +94,13 @@ pub enum UnpackError {
         /// How many arrived.
         count: usize,
     },
-    /// Two blobs name the same descriptor.
-    #[error("file descriptor {index} is used by two blobs")]
-    FdReused {
-        /// The index.
-        index: u32,
+    /// A blob's offset in its memory file is not a multiple of the page size.
+    #[error("blob `{name}` starts at offset {offset} of its memory file, not at a page boundary")]
+    Misaligned {
+        /// The blob.
+        name: String,
+        /// The offset.
+        offset: u64,
     },
     /// Descriptors arrived that no blob uses.
     #[error("{count} file descriptors arrived that no blob uses")]
@@ -132,6 +134,13 @@ pub enum UnpackError {
 
 /// Describes `shareable`'s blobs, appending their bytes to `body` and their memory
 /// files to `fds`.
+///
+/// Every blob that must be copied into shared memory goes into one memory file (each
+/// at a page-aligned offset), and a memory file already in `fds` is passed once however
+/// many blobs live in it: a model of hundreds of tensors passes a handful of
+/// descriptors, never more than [`MAX_FDS_PER_FRAME`](super::frame::MAX_FDS_PER_FRAME).
+/// The new file is admitted against the host's available memory first
+/// ([`NoMemory`](crate::NoMemory), inside [`PackError::Shm`]).
 pub fn pack(
     shareable: &Shareable,
     policy: BlobPolicy,
@@ -139,29 +148,76 @@ pub fn pack(
     fds: &mut Vec<Arc<OwnedFd>>,
 ) -> Result<WireShareable, PackError> {
     check_map("meta", shareable.meta_map())?;
+    let shared = |blob: &Blob| {
+        policy.pass_fds && (blob.is_shared() || blob.len() as u64 >= policy.zero_copy_threshold)
+    };
+    // The blobs to copy, with their offsets in one new file.
+    let mut arena: Vec<(&[u8], u64)> = Vec::new();
+    let mut arena_len = 0u64;
+    let mut first = None;
+    for (name, blob) in shareable.blobs() {
+        if shared(blob) && blob.memfd().is_none() {
+            let offset = os::page_align(arena_len);
+            arena.push((blob, offset));
+            arena_len = offset + blob.len() as u64;
+            first.get_or_insert(name.as_str());
+        }
+    }
+    let arena_fd = match first {
+        None => None,
+        Some(first) => {
+            let len = usize::try_from(arena_len).map_err(|_| PackError::Shm {
+                name: first.to_owned(),
+                source: std::io::Error::other("blobs larger than the address space"),
+            })?;
+            let label = memfd_name(&format!("{first}+{}", arena.len() - 1));
+            let fd = os::sealed_memfd_with(&label, len, |buf| {
+                for (bytes, offset) in &arena {
+                    let at = *offset as usize;
+                    buf[at..at + bytes.len()].copy_from_slice(bytes);
+                }
+            })
+            .map_err(|source| PackError::Shm {
+                name: first.to_owned(),
+                source,
+            })?;
+            Some(Arc::new(fd))
+        }
+    };
+    let mut next = 0usize; // the next arena slot, in blob order
     let mut blobs = Vec::with_capacity(shareable.blobs().len());
     for (name, blob) in shareable.blobs() {
         let len = blob.len() as u64;
-        let shared = policy.pass_fds && (blob.is_shared() || len >= policy.zero_copy_threshold);
-        let carrier = if shared {
-            let fd = match blob.memfd() {
-                Some(fd) => fd.clone(),
-                None => Arc::new(os::sealed_memfd(&memfd_name(name), &[blob]).map_err(
-                    |source| PackError::Shm {
-                        name: name.clone(),
-                        source,
-                    },
-                )?),
+        let carrier = if shared(blob) {
+            let (fd, offset) = match (blob.memfd(), &arena_fd) {
+                (Some(fd), _) => (fd, blob.memfd_offset()),
+                (None, Some(fd)) => {
+                    let offset = arena[next].1;
+                    next += 1;
+                    (fd, offset)
+                }
+                // Every shared blob without a file has a slot in the arena above.
+                (None, None) => unreachable!("a blob to copy without a memory file"),
             };
-            fds.push(fd);
-            let index = fds.len() - 1;
+            let index = match fds.iter().position(|f| Arc::ptr_eq(f, fd)) {
+                Some(i) => i,
+                None => {
+                    fds.push(fd.clone());
+                    fds.len() - 1
+                }
+            };
             if index >= super::frame::MAX_FDS_PER_FRAME as usize {
                 return Err(PackError::TooManyShared {
                     count: fds.len(),
                     max: super::frame::MAX_FDS_PER_FRAME,
                 });
             }
-            Carrier::Fd(index as u32)
+            let index = index as u32;
+            if offset == 0 {
+                Carrier::Fd(index)
+            } else {
+                Carrier::FdAt { index, offset }
+            }
         } else {
             body.push(blob.bytes().clone());
             Carrier::Inline
@@ -203,6 +259,10 @@ fn memfd_name(blob: &str) -> String {
 }
 
 /// Rebuilds a shareable from its description, the frame body and the passed files.
+///
+/// Each file is checked (sealed, long enough for every blob in it) and mapped once;
+/// its blobs are slices of that one mapping. A blob's offset must be a multiple of
+/// the page size (so that a rank can map it copy-on-write on its own).
 pub fn unpack(
     wire: WireShareable,
     body: &Bytes,
@@ -220,42 +280,80 @@ pub fn unpack(
             body: body.len() as u64,
         });
     }
+    // How far into each file its blobs reach.
     let count = fds.len();
-    let mut fds: Vec<Option<OwnedFd>> = fds.into_iter().map(Some).collect();
+    let mut extent: Vec<Option<u64>> = vec![None; count];
+    for h in &wire.blobs {
+        let Some((index, offset)) = h.carrier.file() else {
+            continue;
+        };
+        let slot = extent
+            .get_mut(index as usize)
+            .ok_or_else(|| UnpackError::FdIndex {
+                name: h.name.clone(),
+                index,
+                count,
+            })?;
+        if offset != os::page_align(offset) {
+            return Err(UnpackError::Misaligned {
+                name: h.name.clone(),
+                offset,
+            });
+        }
+        let end = offset.checked_add(h.len).ok_or_else(|| UnpackError::Shm {
+            name: h.name.clone(),
+            source: ShmError::TooShort {
+                actual: 0,
+                declared: u64::MAX,
+            },
+        })?;
+        *slot = Some(slot.unwrap_or(0).max(end));
+    }
+    let unused = extent.iter().filter(|e| e.is_none()).count();
+    if unused > 0 {
+        return Err(UnpackError::FdUnused { count: unused });
+    }
+    let mut maps: Vec<(Bytes, Arc<OwnedFd>)> = Vec::with_capacity(count);
+    for (fd, end) in fds.into_iter().zip(extent) {
+        let end = end.unwrap_or(0);
+        let mapped = os::map_sealed(fd, end).map_err(|source| UnpackError::Shm {
+            name: first_blob_in(&wire.blobs, maps.len() as u32),
+            source,
+        })?;
+        maps.push(mapped);
+    }
     let mut offset = 0usize;
     let mut blobs = BTreeMap::new();
     for h in wire.blobs {
-        let blob = match h.carrier {
-            Carrier::Inline => {
+        let blob = match h.carrier.file() {
+            None => {
                 // `declared == body.len()` bounds every slice.
                 let end = offset + h.len as usize;
                 let b = Blob::new(body.slice(offset..end));
                 offset = end;
                 b
             }
-            Carrier::Fd(index) => {
-                let slot = fds.get_mut(index as usize).ok_or(UnpackError::FdIndex {
-                    name: h.name.clone(),
-                    index,
-                    count,
-                })?;
-                let fd = slot.take().ok_or(UnpackError::FdReused { index })?;
-                let (bytes, fd) = os::map_sealed(fd, h.len).map_err(|source| UnpackError::Shm {
-                    name: h.name.clone(),
-                    source,
-                })?;
-                Blob::from_sealed_memfd(bytes, fd)
+            Some((index, at)) => {
+                // Checked above: the index is in range and `at + len` within the mapping.
+                let (bytes, fd) = &maps[index as usize];
+                let (start, end) = (at as usize, (at + h.len) as usize);
+                Blob::from_sealed_memfd_at(bytes.slice(start..end), fd.clone(), at)
             }
         };
         if blobs.insert(h.name.clone(), blob).is_some() {
             return Err(UnpackError::DuplicateName(h.name));
         }
     }
-    let unused = fds.iter().filter(|f| f.is_some()).count();
-    if unused > 0 {
-        return Err(UnpackError::FdUnused { count: unused });
-    }
     Ok(Shareable::from_parts(wire.meta, blobs))
+}
+
+/// The first blob carried in file `index` (for naming a refused file).
+fn first_blob_in(blobs: &[BlobHeader], index: u32) -> String {
+    blobs
+        .iter()
+        .find(|b| b.carrier.file().is_some_and(|(i, _)| i == index))
+        .map(|b| b.name.clone())
+        .unwrap_or_default()
 }
 
 /// Encodes a message into a frame with the given body and files.
@@ -352,11 +450,80 @@ mod tests {
             .with_blob("é".repeat(300), vec![3u8; 4]);
         let (mut body, mut fds) = (Vec::new(), Vec::new());
         let wire = pack(&s, policy, &mut body, &mut fds).unwrap();
-        assert_eq!(fds.len(), 3);
+        assert_eq!(fds.len(), 1, "the three blobs share one memory file");
         let fds: Vec<OwnedFd> = fds.iter().map(|f| f.try_clone().unwrap()).collect();
         assert_eq!(unpack(wire, &Bytes::new(), fds).unwrap(), s);
         assert_eq!(memfd_name("a\0b"), "a_b");
         assert_eq!(memfd_name(&"é".repeat(300)).len(), MEMFD_NAME_MAX);
+    }
+
+    #[test]
+    fn hundreds_of_blobs_share_one_file_at_page_aligned_offsets() {
+        // A transformer's state dict: far more tensors than descriptors per frame.
+        let policy = BlobPolicy {
+            zero_copy_threshold: 64,
+            pass_fds: true,
+        };
+        let mut s = Shareable::new();
+        for i in 0..300u32 {
+            s.set_blob(
+                format!("h.{i}.weight"),
+                vec![(i % 251) as u8; 100 + i as usize],
+            );
+        }
+        let (mut body, mut fds) = (Vec::new(), Vec::new());
+        let wire = pack(&s, policy, &mut body, &mut fds).unwrap();
+        assert_eq!(fds.len(), 1);
+        for h in &wire.blobs {
+            let (index, offset) = h.carrier.file().unwrap();
+            assert_eq!(index, 0);
+            assert_eq!(offset % os::page_align(1), 0, "{} at {offset}", h.name);
+        }
+        let owned: Vec<OwnedFd> = fds.iter().map(|f| f.try_clone().unwrap()).collect();
+        let received = unpack(wire, &Bytes::new(), owned).unwrap();
+        assert_eq!(received, s);
+        // Forwarding passes the one file again, each blob at its offset.
+        let (mut body2, mut fds2) = (Vec::new(), Vec::new());
+        let wire2 = pack(&received, policy, &mut body2, &mut fds2).unwrap();
+        assert_eq!(fds2.len(), 1);
+        assert!(Arc::ptr_eq(
+            &fds2[0],
+            received.blob("h.7.weight").unwrap().memfd().unwrap()
+        ));
+        let owned: Vec<OwnedFd> = fds2.iter().map(|f| f.try_clone().unwrap()).collect();
+        assert_eq!(unpack(wire2, &Bytes::new(), owned).unwrap(), s);
+    }
+
+    #[test]
+    fn misaligned_and_overlong_blobs_in_a_file_are_refused() {
+        let fd = || os::sealed_memfd("t", &[&[7u8; 100]]).unwrap();
+        let wire = |len, offset| WireShareable {
+            meta: Default::default(),
+            blobs: vec![BlobHeader {
+                name: "w".into(),
+                len,
+                carrier: Carrier::FdAt { index: 0, offset },
+            }],
+        };
+        let err = unpack(wire(10, 12), &Bytes::new(), vec![fd()]).unwrap_err();
+        assert!(
+            matches!(err, UnpackError::Misaligned { offset: 12, .. }),
+            "{err}"
+        );
+        let page = os::page_align(1);
+        let err = unpack(wire(10, page), &Bytes::new(), vec![fd()]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                UnpackError::Shm {
+                    source: ShmError::TooShort { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = unpack(wire(10, u64::MAX - page + 1), &Bytes::new(), vec![fd()]).unwrap_err();
+        assert!(matches!(err, UnpackError::Shm { .. }), "{err}");
     }
 
     #[test]

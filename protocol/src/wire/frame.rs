@@ -9,9 +9,8 @@
 //! 20      ...   header, then body
 //! ```
 //!
-//! Every length is checked against [`FrameLimits`] before anything is allocated (the
-//! sizes of passed memory files count as body), and the
-//! body buffer grows with the bytes that actually arrive, so a peer that claims a huge
+//! Every length is checked against [`FrameLimits`] before anything is allocated, and
+//! the body buffer grows with the bytes that actually arrive, so a peer that claims a huge
 //! frame and sends little costs little. Descriptors arrive with the prefix; a count that
 //! differs from what was passed is refused and the descriptors are closed.
 //!
@@ -19,9 +18,15 @@
 //! connections: fan-out writes the same buffers to N sockets.
 //!
 //! Sizes are checked on the sending side too: [`FrameLimits::check`] measures a frame
-//! (header, inline body and the sizes of its memory files) against the receiver's
-//! limits before it is written, so a sender learns "too large" as an error of its own
-//! instead of the receiver dropping the connection.
+//! (header and inline body) against the receiver's limits before it is written, so a
+//! sender learns "too large" as an error of its own instead of the receiver dropping
+//! the connection.
+//!
+//! Passed memory files are not counted against the body limit: their pages exist
+//! already (the sender made them, admitted against the host's memory, see
+//! `os::memory`), and a receiver only maps them, so a model of any size that fits the
+//! host travels with the default limit, which bounds what a peer can make the receiver
+//! allocate (inline bytes).
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -72,8 +77,8 @@ impl FrameLimits {
 }
 
 impl FrameLimits {
-    /// Checks an outgoing frame against these limits: the header, then the inline body
-    /// plus the memory files' sizes (a receiver maps those too), then the descriptors.
+    /// Checks an outgoing frame against these limits: the header, then the inline body,
+    /// then the descriptors.
     pub fn check(&self, frame: &OutFrame) -> Result<(), FrameError> {
         let header = (frame.head.len() - PREFIX_LEN) as u64;
         if header > u64::from(self.max_header) {
@@ -82,7 +87,7 @@ impl FrameLimits {
                 max: self.max_header.into(),
             });
         }
-        let len = frame.payload_len()?;
+        let len = frame.inline_len();
         if len > self.max_body {
             return Err(FrameError::BodyTooLarge {
                 len,
@@ -216,17 +221,9 @@ impl OutFrame {
         self.head.len() as u64 + self.body.iter().map(|b| b.len() as u64).sum::<u64>()
     }
 
-    /// The blob bytes the frame carries: its inline body plus the size of every memory
-    /// file it passes.
-    pub fn payload_len(&self) -> Result<u64, FrameError> {
-        let mut len: u64 = self.body.iter().map(|b| b.len() as u64).sum();
-        for fd in &self.fds {
-            let size = rustix::fs::fstat(fd.as_fd())
-                .map_err(|e| FrameError::Io(e.into()))?
-                .st_size;
-            len = len.saturating_add(u64::try_from(size).unwrap_or(0));
-        }
-        Ok(len)
+    /// The inline blob bytes the frame carries (memory files not counted).
+    pub fn inline_len(&self) -> u64 {
+        self.body.iter().map(|b| b.len() as u64).sum()
     }
 
     /// The frame's bytes as a local socket carries them (descriptors not included):
@@ -442,21 +439,6 @@ pub fn read_frame(conn: &Conn, limits: &FrameLimits) -> Result<InFrame, FrameErr
             received: fds.len(),
         });
     }
-    // Memory files count against the body limit too: a receiver maps them. They are
-    // sealed against growing (checked before mapping), so their size now is final.
-    let mut total = body_len;
-    for fd in &fds {
-        let size = rustix::fs::fstat(fd.as_fd())
-            .map_err(|e| FrameError::Io(e.into()))?
-            .st_size;
-        total = total.saturating_add(u64::try_from(size).unwrap_or(0));
-    }
-    if total > limits.max_body {
-        return Err(FrameError::BodyTooLarge {
-            len: total,
-            max: limits.max_body,
-        });
-    }
     let mut header = vec![0u8; header_len as usize];
     read_exact_or_truncated(conn, &mut header, "header", header_len.into(), 0)?;
     let body = read_body(conn, body_len)?;
@@ -593,24 +575,25 @@ mod tests {
     }
 
     #[test]
-    fn senders_check_header_body_and_memory_files() {
+    fn senders_and_readers_count_inline_bytes_not_memory_files() {
         let small = FrameLimits::for_max_frame(100);
-        let fd = Arc::new(os::sealed_memfd("t", &[&[0u8; 80]]).unwrap());
-        let f = OutFrame::new(b"h", vec![Bytes::from(vec![1u8; 30])], vec![fd.clone()]);
-        assert_eq!(f.payload_len().unwrap(), 110);
-        let err = small.check(&f).unwrap_err();
+        let fd = Arc::new(os::sealed_memfd("t", &[&[0u8; 4096]]).unwrap());
+        // A memory file far over the limit passes: its pages exist already.
+        let shared = OutFrame::new(b"h", vec![Bytes::from(vec![1u8; 30])], vec![fd.clone()]);
+        assert_eq!(shared.inline_len(), 30);
+        small.check(&shared).unwrap();
+        let (a, b) = Conn::pair().unwrap();
+        shared.write_to(&a).unwrap();
+        let got = read_frame(&b, &small).unwrap();
+        assert_eq!((got.body.len(), got.fds.len()), (30, 1));
+        // Inline bytes over it are refused by the sender and by the reader.
+        let inline = OutFrame::new(b"h", vec![Bytes::from(vec![1u8; 110])], vec![fd.clone()]);
+        let err = small.check(&inline).unwrap_err();
         assert!(
             matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),
             "{err}"
         );
-        assert!(
-            small
-                .check(&OutFrame::new(b"h", vec![], vec![fd.clone()]))
-                .is_ok()
-        );
-        // The reader counts memory files against its limit as well.
-        let (a, b) = Conn::pair().unwrap();
-        f.write_to(&a).unwrap();
+        inline.write_to(&a).unwrap();
         let err = read_frame(&b, &small).unwrap_err();
         assert!(
             matches!(err, FrameError::BodyTooLarge { len: 110, max: 100 }),

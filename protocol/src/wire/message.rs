@@ -159,7 +159,8 @@ pub struct Init {
     pub event_timeout_ms: u64,
     /// Blobs at least this large go back as sealed memory files on local connections.
     pub zero_copy_threshold: u64,
-    /// The largest frame the parent accepts (header plus inline blobs).
+    /// The largest frame the parent accepts (header plus inline blobs; memory files
+    /// are not counted).
     pub max_frame_bytes: u64,
 }
 
@@ -170,6 +171,26 @@ pub enum Carrier {
     Inline,
     /// A sealed memory file passed with the frame; the number indexes the frame's files.
     Fd(u32),
+    /// Bytes at `offset` (a multiple of the page size) of a sealed memory file passed
+    /// with the frame: several blobs share one file, so a model of any number of
+    /// tensors passes a few descriptors.
+    FdAt {
+        /// Which of the frame's files.
+        index: u32,
+        /// Where the blob starts in it.
+        offset: u64,
+    },
+}
+
+impl Carrier {
+    /// The file index and offset of a blob passed as a memory file.
+    pub fn file(self) -> Option<(u32, u64)> {
+        match self {
+            Carrier::Inline => None,
+            Carrier::Fd(index) => Some((index, 0)),
+            Carrier::FdAt { index, offset } => Some((index, offset)),
+        }
+    }
 }
 
 /// A blob's description in a header.

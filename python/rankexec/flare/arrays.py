@@ -323,11 +323,13 @@ def unpack_flat(
     values: Mapping[str, Any] | None = None,
     *,
     writable: bool,
+    copy: bool = False,
 ) -> dict[str, Any]:
     """The data ``pack_flat`` packed. In a rank (``writable``) arrays and tensors are
     copy-on-write mappings of the blobs' shared memory (no copy; writes stay in the
-    rank); on the host arrays are read-only views and tensors copy-on-write mappings
-    where the blob offers one, else copies."""
+    rank), or, with ``copy``, the rank's own copies (so that the shared memory can be
+    let go at once); on the host arrays are read-only views and tensors copy-on-write
+    mappings where the blob offers one, else copies."""
     out: dict[str, Any] = {}
     for name, spec in (specs or {}).items():
         blob = blobs.get(name)
@@ -335,7 +337,7 @@ def unpack_flat(
             raise Unsendable(name, "it has a spec but no blob")
         if not isinstance(spec, Mapping):
             raise Unsendable(name, f"its spec {spec!r} is not a dict")
-        out[name] = _from_spec(blob, spec, name, False, writable)
+        out[name] = _from_spec(blob, spec, name, copy, writable)
     out.update(values or {})
     return out
 

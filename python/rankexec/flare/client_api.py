@@ -196,9 +196,21 @@ class RankClientAPI(InProcessClientAPI):
         fl = dict(task.meta.get(MODEL_KEY) or {})
         params = None
         if fl.get("param_specs") or fl.get("param_values"):
+            # Rank 0 alone receives (FLARE's semantics): its params are its own copy and
+            # the input's memory file is let go at once, so a script that updates the
+            # weights in place and sends them back holds the model once, plus its
+            # result. With ``all_ranks_receive`` every rank maps the same pages
+            # copy-on-write instead: N ranks hold the received model once between them.
+            own = not self._all_ranks
             params = unpack_flat(
-                task.blobs, fl.get("param_specs"), fl.get("param_values"), writable=True
+                task.blobs,
+                fl.get("param_specs"),
+                fl.get("param_values"),
+                writable=True,
+                copy=own,
             )
+            if own:
+                task.blobs.clear()
             params = convert_params(
                 params,
                 self._exchange.get(ConfigKey.SERVER_EXPECTED_FORMAT, ExchangeFormat.NUMPY),
@@ -246,6 +258,10 @@ class RankClientAPI(InProcessClientAPI):
         if not self._is_control():
             self._answer_unsent()  # only rank 0's result counts, as in FLARE
         else:
+            if clear_cache and self.fl_model is not None and self.fl_model is not model:
+                # The received params go before the result is copied into shared
+                # memory (the script's own references keep what it still uses).
+                self.fl_model.params = None
             self._reply(task, model)
         if clear_cache:
             model.params = None

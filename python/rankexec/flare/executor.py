@@ -477,9 +477,11 @@ class MultiProcessExecutor(Executor):
         blobs: dict[str, Any],
         fl_ctx: FLContext,
         abort_signal: Signal,
+        consume: bool = False,
     ) -> TaskResult | Shareable:
         """Runs the task on every rank with FLARE's abort signal: the ranks' result, or
-        the reply for FLARE when it was aborted or failed (logged)."""
+        the reply for FLARE when it was aborted or failed (logged). With ``consume``,
+        ``blobs`` is emptied once it is in shared memory (``RankGroup.execute``)."""
         try:
             result = group.execute(
                 task_name,
@@ -488,6 +490,7 @@ class MultiProcessExecutor(Executor):
                 abort_check=lambda: abort_signal.triggered,
                 poll_s=self._poll,
                 abort_reason="FLARE's abort_signal fired",
+                consume=consume,
             )
         except Aborted as e:
             self.log_info(fl_ctx, f"task {task_name} aborted in every rank: {e}")

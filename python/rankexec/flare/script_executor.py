@@ -313,7 +313,16 @@ class ScriptExecutor(MultiProcessExecutor):
         except (TypeError, ValueError, KeyError) as e:
             self.log_error(fl_ctx, f"task {task_name}: its data cannot reach the ranks: {e}")
             return self._failed(f"the task's data cannot reach the ranks: {e}")
-        result = self._run(group, task_name, {MODEL_KEY: fl}, blobs, fl_ctx, abort_signal)
+        # One copy of the model on this site: FLARE's decoded params are released as soon
+        # as they are in the memory file the ranks map (``consume`` empties ``blobs``
+        # then). The task's DXO data is the same dict as ``model.params``: emptied
+        # here, so that FLARE's task object stops holding the arrays too.
+        if isinstance(model.params, dict) and blobs:
+            model.params.clear()
+        del model
+        result = self._run(
+            group, task_name, {MODEL_KEY: fl}, blobs, fl_ctx, abort_signal, consume=True
+        )
         if isinstance(result, Shareable):
             return result
         out = result.meta.get(MODEL_KEY)

@@ -29,6 +29,13 @@ impl HostBlob {
         self.blob.is_shared()
     }
 
+    /// A writable view whose writes stay in this process: a copy-on-write mapping of
+    /// the rank's memory file (no copy until a page is written), or a copy of a small
+    /// blob. What torch tensors of a result are made from without a copy.
+    fn copy_on_write(&self) -> PyResult<crate::rank::blob::PrivateBuffer> {
+        crate::rank::blob::PrivateBuffer::of(&self.blob)
+    }
+
     /// A copy of the bytes.
     fn tobytes<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
         pyo3::types::PyBytes::new(py, &self.blob)

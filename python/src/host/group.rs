@@ -139,8 +139,11 @@ impl HostGroup {
         r.map_err(|e| errors::start_error(py, &e))
     }
 
-    /// Runs `task` on every rank; returns `(meta, blobs, props, retries)`.
-    #[pyo3(signature = (task, meta, blobs, props=None, abort_check=None, poll_s=0.005, abort_reason="aborted by the host".to_owned()))]
+    /// Runs `task` on every rank; returns `(meta, blobs, props, retries)`. With
+    /// `consume`, `blobs` is emptied once its buffers are in shared memory, before the
+    /// ranks run: a caller that holds no other reference frees its copy of a large
+    /// input for the whole task.
+    #[pyo3(signature = (task, meta, blobs, props=None, abort_check=None, poll_s=0.005, abort_reason="aborted by the host".to_owned(), consume=false))]
     #[allow(clippy::too_many_arguments)]
     fn execute<'py>(
         &self,
@@ -152,6 +155,7 @@ impl HostGroup {
         abort_check: Option<Py<PyAny>>,
         poll_s: f64,
         abort_reason: String,
+        consume: bool,
     ) -> PyResult<Executed<'py>> {
         let exec = self.exec()?;
         // The task is in flight from here: an `abort()` while its input is converted or
@@ -174,26 +178,36 @@ impl HostGroup {
         }
         let stager = self.stager.clone();
         let staged = py.detach(|| -> std::io::Result<_> {
-            let mut out = std::collections::BTreeMap::new();
-            let mut sizes = Vec::new();
-            for (name, buf) in &buffers {
-                // SAFETY: `buf` holds the exporter's buffer (PyObject_GetBuffer) until it
-                // is released after this closure, so the pointer is valid for
-                // `len_bytes()` bytes and C-contiguous (checked above). Another Python
-                // thread could write to it meanwhile; that races only on the values
-                // copied, as any GIL-free reader of a numpy array does.
-                let src = unsafe {
-                    std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes())
-                };
-                let blob = stager.blob(src)?;
-                // Sizes too small to stage are dropped by `prepare_in_background`.
-                sizes.push(src.len());
-                out.insert(name.clone(), blob);
-            }
-            Ok((out, sizes))
+            let srcs: Vec<&[u8]> = buffers
+                .iter()
+                .map(|(_, buf)| {
+                    // SAFETY: `buf` holds the exporter's buffer (PyObject_GetBuffer) until
+                    // it is released after this closure, so the pointer is valid for
+                    // `len_bytes()` bytes and C-contiguous (checked above). Another Python
+                    // thread could write to it meanwhile; that races only on the values
+                    // copied, as any GIL-free reader of a numpy array does.
+                    unsafe {
+                        std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes())
+                    }
+                })
+                .collect();
+            let (blobs, size) = stager.stage(&srcs)?;
+            let names = buffers.iter().map(|(name, _)| name.clone());
+            Ok((
+                names
+                    .zip(blobs)
+                    .collect::<std::collections::BTreeMap<_, _>>(),
+                size,
+            ))
         });
         drop(buffers);
-        let (blob_map, sizes) = staged.map_err(|e| errors::staging_error(py, &e))?;
+        if consume {
+            // The caller's references to the input go now: once in shared memory, the
+            // input is not held twice while the task runs (see `execute`'s docs).
+            blobs.clear();
+        }
+        let (blob_map, staged_size) = staged.map_err(|e| errors::staging_error(py, &e))?;
+        let sizes = vec![staged_size];
         let input = Shareable::from_parts(meta, blob_map);
         let mut ctx = self.context(props)?;
         let slice = if abort_check.is_some() {

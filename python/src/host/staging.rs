@@ -13,9 +13,14 @@
 //! that forks (multiprocessing, DataLoader workers) between tasks would otherwise keep
 //! the file from being sealed. See `os` for the fallback when it still cannot be.
 //!
+//! Every large blob of one input goes into one memory file, each at a page-aligned
+//! offset: a model of hundreds of tensors passes one descriptor, not one per tensor.
+//!
 //! Caveats: Linux only (`memfd_create` and seals). A prepared file holds its memory
-//! while idle (one payload's worth per size). A size not prepared falls back to a fresh
-//! file, which is correct, only slower.
+//! while idle, so only inputs up to [`PREPARE_MAX`] bytes are prepared: above that, a
+//! second idle copy of a model would cost more host memory than the page faults cost
+//! time (a large model's input goes to a fresh file, correct, only slower). A size not
+//! prepared falls back to a fresh file.
 
 use std::io;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -26,6 +31,9 @@ use crate::os::StagedFile as Prepared;
 
 /// How many prepared files of one size are kept.
 const PER_SIZE: usize = 1;
+
+/// The largest input prepared ahead (see the module docs).
+pub(crate) const PREPARE_MAX: usize = 256 << 20;
 
 /// The pool of prepared files, and the threshold above which blobs are staged.
 pub(crate) struct Stager {
@@ -46,29 +54,65 @@ impl Stager {
         len >= self.threshold
     }
 
-    /// A blob holding a copy of `src`: in a prepared memory file when one of this size is
-    /// ready, else in a fresh one; small blobs are plain copies.
-    pub(crate) fn blob(&self, src: &[u8]) -> io::Result<Blob> {
-        if !self.stages(src.len()) {
-            return Ok(Blob::from(src.to_vec()));
+    /// Blobs holding copies of `srcs`, in order: the large ones together in one memory
+    /// file (a prepared one when one of that size is ready, else a fresh one), each at a
+    /// page-aligned offset; small ones plain copies. Returns the blobs and the size of
+    /// the memory file (0 without one).
+    pub(crate) fn stage(&self, srcs: &[&[u8]]) -> io::Result<(Vec<Blob>, usize)> {
+        let large: Vec<usize> = (0..srcs.len())
+            .filter(|&i| self.stages(srcs[i].len()))
+            .collect();
+        let mut out: Vec<Blob> = srcs
+            .iter()
+            .map(|s| {
+                if self.stages(s.len()) {
+                    Blob::default()
+                } else {
+                    Blob::from(s.to_vec())
+                }
+            })
+            .collect();
+        if large.is_empty() {
+            return Ok((out, 0));
         }
+        let mut offsets = Vec::with_capacity(large.len());
+        let mut total = 0u64;
+        for &i in &large {
+            let at = rankexec_protocol::page_align(total);
+            offsets.push(at as usize);
+            total = at + srcs[i].len() as u64;
+        }
+        let total = usize::try_from(total).map_err(|_| io::Error::other("input too large"))?;
         let ready = {
             let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
             spare
                 .iter()
-                .position(|p| p.len() == src.len())
+                .position(|p| p.len() == total)
                 .map(|i| spare.swap_remove(i))
         };
-        match ready {
-            Some(p) => p.fill(src),
-            None => Prepared::new(src.len())?.fill(src),
+        let parts: Vec<(usize, &[u8])> = large
+            .iter()
+            .zip(&offsets)
+            .map(|(&i, &at)| (at, srcs[i]))
+            .collect();
+        let file = match ready {
+            Some(p) => p,
+            None => Prepared::new(total)?,
+        };
+        let blobs = file.fill(&parts)?;
+        for (i, blob) in large.into_iter().zip(blobs) {
+            out[i] = blob;
         }
+        Ok((out, total))
     }
 
     /// Prepares files of these sizes on a background thread (sizes already prepared are
     /// skipped); failures only log.
     pub(crate) fn prepare_in_background(self: &Arc<Self>, sizes: Vec<usize>) {
-        let sizes: Vec<usize> = sizes.into_iter().filter(|s| self.stages(*s)).collect();
+        let sizes: Vec<usize> = sizes
+            .into_iter()
+            .filter(|s| self.stages(*s) && *s <= PREPARE_MAX)
+            .collect();
         if sizes.is_empty() {
             return;
         }
@@ -84,7 +128,7 @@ impl Stager {
     /// Prepares files of these sizes now.
     pub(crate) fn prepare(&self, sizes: &[usize]) {
         for &len in sizes {
-            if !self.stages(len) {
+            if len == 0 {
                 continue;
             }
             let have = self

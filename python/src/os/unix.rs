@@ -47,6 +47,7 @@ pub(crate) struct WritableFile {
 impl WritableFile {
     /// A zero-filled memory file of `len` bytes, mapped writable.
     pub(crate) fn create(len: usize) -> io::Result<Self> {
+        rankexec_protocol::admit_shared_memory(len as u64).map_err(io::Error::other)?;
         let fd = rustix::fs::memfd_create(
             "rankexec-py-blob",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -132,8 +133,10 @@ pub(crate) struct StagedFile {
 }
 
 impl StagedFile {
-    /// A memory file of `len` (> 0) bytes with every page allocated (`MAP_POPULATE`).
+    /// A memory file of `len` (> 0) bytes with every page allocated (`MAP_POPULATE`),
+    /// admitted against the host's available memory first.
     pub(crate) fn new(len: usize) -> io::Result<StagedFile> {
+        rankexec_protocol::admit_shared_memory(len as u64).map_err(io::Error::other)?;
         let fd = rustix::fs::memfd_create(
             "rankexec-staged",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -157,23 +160,45 @@ impl StagedFile {
         self.map.len()
     }
 
-    /// Copies `src` (exactly the file's size) in, seals the file and maps it read-only.
-    /// A file that cannot be sealed (see the module docs) is left behind and `src` goes
-    /// to a fresh sealed file instead.
-    pub(crate) fn fill(mut self, src: &[u8]) -> io::Result<Blob> {
-        if src.len() != self.map.len() {
-            return Err(io::Error::other("a staged file filled with another size"));
+    /// Copies each `(offset, bytes)` part in (the parts fit the file and do not
+    /// overlap), seals the file, maps it read-only and returns one blob per part, in
+    /// order. A file that cannot be sealed (see the module docs) is left behind and the
+    /// parts go to a fresh sealed file instead.
+    pub(crate) fn fill(mut self, parts: &[(usize, &[u8])]) -> io::Result<Vec<Blob>> {
+        let len = self.map.len();
+        for (at, src) in parts {
+            let end = at
+                .checked_add(src.len())
+                .filter(|&e| e <= len)
+                .ok_or_else(|| io::Error::other("a staged file filled past its end"))?;
+            self.map[*at..end].copy_from_slice(src);
         }
-        self.map.copy_from_slice(src);
         let StagedFile { fd, map } = self;
         drop(map);
         match rustix::fs::fcntl_add_seals(&fd, ALL_SEALS) {
             Ok(()) => {}
-            Err(Errno::BUSY) => return Blob::shared_with(src.len(), |d| d.copy_from_slice(src)),
+            Err(Errno::BUSY) => {
+                let lens: Vec<usize> = parts.iter().map(|(_, s)| s.len()).collect();
+                return Blob::shared_many(&lens, |bufs| {
+                    for (buf, (_, src)) in bufs.iter_mut().zip(parts) {
+                        buf.copy_from_slice(src);
+                    }
+                });
+            }
             Err(e) => return Err(e.into()),
         }
         let fd = Arc::new(fd);
-        Ok(Blob::from_sealed_memfd(map_read_only(&fd, src.len())?, fd))
+        let whole = map_read_only(&fd, len)?;
+        Ok(parts
+            .iter()
+            .map(|(at, src)| {
+                Blob::from_sealed_memfd_at(
+                    whole.slice(*at..*at + src.len()),
+                    fd.clone(),
+                    *at as u64,
+                )
+            })
+            .collect())
     }
 }
 
@@ -200,13 +225,19 @@ fn map_read_only(fd: &Arc<OwnedFd>, len: usize) -> io::Result<Bytes> {
     Ok(Bytes::from_owner(map))
 }
 
-/// A private copy-on-write mapping of `len` bytes of a sealed memory file.
-pub(crate) fn private_copy(fd: BorrowedFd<'_>, len: usize) -> io::Result<memmap2::MmapMut> {
+/// A private copy-on-write mapping of `len` bytes of a sealed memory file from `offset`
+/// (a multiple of the page size, as every blob's offset in its file is).
+pub(crate) fn private_copy(
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    len: usize,
+) -> io::Result<memmap2::MmapMut> {
     // SAFETY: the file is sealed (the protocol checked F_SEAL_WRITE and F_SEAL_SHRINK
     // before the blob was mapped), so nobody can change or shrink it; writes to a
     // private mapping go to this process's own pages.
     unsafe {
         memmap2::MmapOptions::new()
+            .offset(offset)
             .len(len)
             .map_copy(fd.as_fd().as_raw_fd())
     }

@@ -114,14 +114,7 @@ impl Blob {
     /// A writable view whose writes stay in this process: a copy-on-write mapping of
     /// the memory file (no copy until a page is written), or a copy of a small blob.
     fn copy_on_write(&self) -> PyResult<PrivateBuffer> {
-        let len = self.inner.len();
-        let data = match self.inner.memfd() {
-            Some(fd) if len > 0 => Private::Map(private_copy(fd.as_fd(), len)?),
-            _ => Private::Heap(self.inner.to_vec()),
-        };
-        Ok(PrivateBuffer {
-            data: Mutex::new(data),
-        })
+        PrivateBuffer::of(&self.inner)
     }
 
     /// A copy as `bytes`.
@@ -151,6 +144,24 @@ enum Private {
 #[pyclass(module = "rankexec", frozen)]
 pub struct PrivateBuffer {
     data: Mutex<Private>,
+}
+
+impl PrivateBuffer {
+    /// A writable view of `blob` whose writes stay in this process: a copy-on-write
+    /// mapping of its memory file (no copy until a page is written), or a copy of a
+    /// small blob.
+    pub(crate) fn of(blob: &RBlob) -> PyResult<PrivateBuffer> {
+        let len = blob.len();
+        let data = match blob.memfd() {
+            Some(fd) if len > 0 => {
+                Private::Map(private_copy(fd.as_fd(), blob.memfd_offset(), len)?)
+            }
+            _ => Private::Heap(blob.to_vec()),
+        };
+        Ok(PrivateBuffer {
+            data: Mutex::new(data),
+        })
+    }
 }
 
 #[pymethods]

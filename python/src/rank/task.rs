@@ -300,43 +300,43 @@ impl Task {
     }
 }
 
+/// What a blob from Python becomes: ready (a `Blob` forwarded as is, a sealed
+/// `SharedBuffer`, a small copy), or a large buffer still to copy into shared memory.
+enum FromPy {
+    Ready(RBlob),
+    Copy(PyBuffer<u8>),
+}
+
 /// A blob from whatever Python gave: a `Blob` (forwarded as is), a `SharedBuffer`
-/// (sealed, no copy), or anything with a contiguous buffer (one copy).
-fn blob_from_py(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<RBlob> {
+/// (sealed, no copy), or anything with a contiguous buffer (one copy; large ones are
+/// copied by [`shareable_from_py`], all into one memory file).
+fn blob_from_py(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<FromPy> {
     if let Ok(b) = obj.cast::<Blob>() {
-        return Ok(b.get().inner.clone());
+        return Ok(FromPy::Ready(b.get().inner.clone()));
     }
     if let Ok(s) = obj.cast::<SharedBuffer>() {
-        return s.get().sealed_blob();
+        return Ok(FromPy::Ready(s.get().sealed_blob()?));
     }
     let py = obj.py();
     let view = py
         .import("rankexec._shareable")?
         .call_method1("byte_view", (obj, name))?;
     let buf: PyBuffer<u8> = PyBuffer::get(&view)?;
-    let len = buf.len_bytes();
-    if len >= SHARED_FROM {
-        let mut err = None;
-        let blob = RBlob::shared_with(len, |dst| {
-            if let Err(e) = buf.copy_to_slice(py, dst) {
-                err = Some(e);
-            }
-        })?;
-        if let Some(e) = err {
-            return Err(e);
-        }
-        Ok(blob)
+    if buf.len_bytes() >= SHARED_FROM {
+        Ok(FromPy::Copy(buf))
     } else {
-        Ok(RBlob::from(buf.to_vec(py)?))
+        Ok(FromPy::Ready(RBlob::from(buf.to_vec(py)?)))
     }
 }
 
 fn shareable_from_py(
+    py: Python<'_>,
     output: Option<&Bound<'_, PyAny>>,
     meta: Option<&Bound<'_, PyDict>>,
     blobs: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Shareable> {
     let mut out = Shareable::new();
+    let mut copies: Vec<(String, PyBuffer<u8>)> = Vec::new();
     let mut add = |m: Option<&Bound<'_, PyAny>>, b: Option<&Bound<'_, PyAny>>| -> PyResult<()> {
         if let Some(m) = m.filter(|m| !m.is_none()) {
             for (k, v) in map_from_py(m.cast::<PyDict>()?, "meta")? {
@@ -346,8 +346,17 @@ fn shareable_from_py(
         if let Some(b) = b.filter(|b| !b.is_none()) {
             for (k, v) in b.cast::<PyDict>()?.iter() {
                 let name: String = k.extract()?;
-                let blob = blob_from_py(&v, &name)?;
-                out.set_blob(name, blob);
+                match blob_from_py(&v, &name)? {
+                    FromPy::Ready(blob) => {
+                        copies.retain(|(n, _)| *n != name);
+                        out.set_blob(name, blob);
+                    }
+                    FromPy::Copy(buf) => {
+                        out.take_blob(&name);
+                        copies.retain(|(n, _)| *n != name);
+                        copies.push((name, buf));
+                    }
+                }
             }
         }
         Ok(())
@@ -366,6 +375,24 @@ fn shareable_from_py(
         add(Some(&m), Some(&b))?;
     }
     add(meta.map(|m| m.as_any()), blobs.map(|b| b.as_any()))?;
+    if !copies.is_empty() {
+        // Every large buffer into one memory file: one copy each, one descriptor.
+        let lens: Vec<usize> = copies.iter().map(|(_, b)| b.len_bytes()).collect();
+        let mut err = None;
+        let made = RBlob::shared_many(&lens, |dsts| {
+            for (dst, (_, buf)) in dsts.iter_mut().zip(&copies) {
+                if let Err(e) = buf.copy_to_slice(py, dst) {
+                    err.get_or_insert(e);
+                }
+            }
+        })?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        for ((name, _), blob) in copies.into_iter().zip(made) {
+            out.set_blob(name, blob);
+        }
+    }
     Ok(out)
 }
 
@@ -433,7 +460,7 @@ impl Task {
         meta: Option<&Bound<'_, PyDict>>,
         blobs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        let out = match shareable_from_py(output, meta, blobs) {
+        let out = match shareable_from_py(py, output, meta, blobs) {
             Ok(o) => o,
             Err(e) => {
                 // A reply that cannot be built fails the task (with why), and says so.

@@ -47,7 +47,9 @@ def _gone(pids: list[int]) -> bool:
 class Group:
     """A ScriptExecutor's rank group running `script` (in the app folder's custom/)."""
 
-    def __init__(self, tmp_path: Path, script: str, on_event=None, **executor_args) -> None:
+    def __init__(
+        self, tmp_path: Path, script: str, on_event=None, group_cfg=None, **executor_args
+    ) -> None:
         app = tmp_path / "app"
         (app / "custom").mkdir(parents=True, exist_ok=True)
         (app / "custom" / "client.py").write_text(textwrap.dedent(script))
@@ -61,6 +63,7 @@ class Group:
         run = tmp_path / "run"
         cfg = self.executor.group_config(str(run), str(app))
         cfg["deadlines"] = {"task": "120s", "abort_grace": "60s", "shutdown_grace": "60s"}
+        cfg.update(group_cfg or {})
         self.group = RankGroup(
             cfg, on_event=on_event, site="site-7", job_id="job-1", workspace=str(run)
         )

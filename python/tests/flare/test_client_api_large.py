@@ -1,0 +1,147 @@
+"""Large models through ``rankexec.flare.ScriptExecutor`` (issue 31), on the
+executor's real rank group (real interpreters running the script), without the
+simulator: FLARE's decoded copy released once the model is in shared memory, rank 0's
+result taken from its memory file without a copy, dtypes as they are, and memory
+files not counted against ``max_frame``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+
+import numpy as np
+import torch
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.shareable import ReturnCode
+
+from .flare_helpers import wait_until
+from .test_client_api import CAP_S, PREAMBLE, groups  # noqa: F401  (fixture)
+
+DTYPES = (
+    PREAMBLE
+    + """
+    import torch
+    flare.init()
+    while flare.is_running():
+        m = flare.receive()
+        seen = {k: [type(v).__module__, str(v.dtype)] for k, v in m.params.items()}
+        mark("received", json.dumps(seen))
+        if os.path.exists(os.path.join(args.marks, "hold")):
+            while not os.path.exists(os.path.join(args.marks, "go")):
+                time.sleep(0.01)
+        out = {}
+        for k, v in m.params.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                v.add_(1)  # in place, in its own dtype: no upcast
+            elif isinstance(v, torch.Tensor):
+                v.add_(1)
+            else:
+                v = v + np.ones(1, dtype=v.dtype)
+            out[k] = v
+        flare.send(FLModel(params=out, meta={"seen": seen}))
+"""
+)
+
+
+def _mapped_from_memfd(address: int) -> str | None:
+    """The memory file whose mapping in this process holds `address`, if any."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                path = parts[5].strip() if len(parts) > 5 else ""
+                return path if path.startswith("/memfd:") else None
+    return None
+
+
+def test_torch_dtypes_travel_as_they_are_and_the_result_is_not_copied(tmp_path, groups):
+    g = groups(
+        tmp_path,
+        DTYPES,
+        params_exchange_format="pytorch",
+        server_expected_format="pytorch",
+    )
+    sent = {
+        "bf16": torch.full((300, 300), 1.5, dtype=torch.bfloat16),
+        "f16": torch.full((300, 300), 2.5, dtype=torch.float16),
+        "i8": torch.full((300, 300), -3, dtype=torch.int8),
+        "u8": torch.full((300, 300), 200, dtype=torch.uint8),
+        "f32": torch.full((300, 300), 0.5, dtype=torch.float32),
+    }
+    reply = g.execute("train", {k: v.clone() for k, v in sent.items()})
+    assert reply.get_return_code(ReturnCode.OK) == ReturnCode.OK, reply
+    dxo = from_shareable(reply)
+    seen = dxo.meta["seen"]
+    print("rank 0 saw:", json.dumps(seen))
+    assert seen == {k: ["torch", str(v.dtype)] for k, v in sent.items()}
+    for k, v in sent.items():
+        got = dxo.data[k]
+        assert isinstance(got, torch.Tensor) and got.dtype == v.dtype, k
+        assert torch.equal(got, v + 1), k
+        # The host's tensor is a (copy-on-write) mapping of rank 0's memory file.
+        where = _mapped_from_memfd(got.data_ptr())
+        assert where is not None and "rankexec-blobs" in where, (k, where)
+
+
+def test_numpy_dtypes_travel_as_they_are(tmp_path, groups):
+    g = groups(tmp_path, DTYPES)
+    sent = {
+        "f16": np.full(50_000, 2.5, dtype=np.float16),
+        "i8": np.full(70_000, -3, dtype=np.int8),
+        "u8": np.full(70_000, 200, dtype=np.uint8),
+        "f64": np.full(10_000, 0.25, dtype=np.float64),
+    }
+    reply = g.execute("train", {k: v.copy() for k, v in sent.items()})
+    assert reply.get_return_code(ReturnCode.OK) == ReturnCode.OK, reply
+    dxo = from_shareable(reply)
+    assert dxo.meta["seen"] == {k: ["numpy", str(v.dtype)] for k, v in sent.items()}
+    for k, v in sent.items():
+        got = dxo.data[k]
+        assert got.dtype == v.dtype, k
+        np.testing.assert_array_equal(got, v + np.ones(1, dtype=v.dtype))
+
+
+def test_flares_decoded_copy_is_released_while_the_ranks_run(tmp_path, groups):
+    g = groups(tmp_path, DTYPES)
+    (g.marks / "hold").write_text("")
+    arrays = {f"w{i}": np.full(1 << 20, i, dtype=np.float32) for i in range(4)}
+    refs = {k: weakref.ref(v) for k, v in arrays.items()}
+    shareable = DXO(DataKind.WEIGHTS, data=arrays).to_shareable()
+    del arrays
+    replies = []
+
+    def run():
+        from nvflare.apis.fl_context import FLContext
+        from nvflare.apis.signal import Signal
+
+        replies.append(g.executor.execute("train", shareable, FLContext(), Signal()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert wait_until(lambda: (g.marks / "received").exists(), timeout=CAP_S)
+        # Rank 0 holds the model (from the memory file); this process no longer does.
+        alive = [k for k, r in refs.items() if r() is not None]
+        assert alive == [], f"FLARE's copies still alive while the ranks run: {alive}"
+        assert from_shareable(shareable).data == {}, "the task's DXO data was released"
+    finally:
+        (g.marks / "go").write_text("")
+        t.join(CAP_S)
+    assert replies and replies[0].get_return_code(ReturnCode.OK) == ReturnCode.OK
+    got = from_shareable(replies[0]).data
+    assert sorted(got) == [f"w{i}" for i in range(4)]
+    assert float(got["w3"][0]) == 4.0
+
+
+def test_memory_files_do_not_count_against_max_frame(tmp_path, groups):
+    # 8 MiB of weights in 40 tensors with a 64 KiB frame limit: only inline bytes count.
+    g = groups(tmp_path, DTYPES, group_cfg={"max_frame": "64KiB"})
+    sent = {f"h.{i}.w": np.full(52_429, i, dtype=np.float32) for i in range(40)}
+    reply = g.execute("train", {k: v.copy() for k, v in sent.items()})
+    assert reply.get_return_code(ReturnCode.OK) == ReturnCode.OK, reply
+    got = from_shareable(reply).data
+    for k, v in sent.items():
+        np.testing.assert_array_equal(got[k], v + 1)
