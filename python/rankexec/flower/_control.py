@@ -13,6 +13,7 @@ falls back to its deadline). The node's host does not use it: it asks the Fleet 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 __all__ = ["online_nodes", "run_status"]
@@ -26,7 +27,8 @@ def _client(address: str, root_certificates: str | None = None) -> Any:
     return ControlHttpClient.from_server_address(
         server_address=address,
         insecure=root_certificates is None,
-        root_certificates=root_certificates,
+        # The PEM's bytes (a path would reach httpx as a deprecated `verify=<str>`).
+        root_certificates=Path(root_certificates).read_bytes() if root_certificates else None,
         interceptors=[
             CliClientHttpInterceptor(),
             RuntimeVersionHttpInterceptor(component_name="flwr CLI"),

@@ -16,14 +16,16 @@ the SuperNode).
 
 Settings: the SuperNode's own command line (``--superlink``, ``--insecure``,
 ``--root-certificates``, ``--auth-supernode-private-key``; relative paths from its
-working directory), overridden by the site's ``superlink``, ``root_certificates`` and
-``node_key`` (site file or ``--node-config``) or the host's own arguments.
+working directory), overridden by the site's ``superlink`` and the host's own
+arguments (``--superlink``, ``--root-certificates``, ``--node-key``: for a host the
+site starts itself).
 
 Identity (every Fleet request is signed by a key the SuperLink knows):
 
 - with SuperNode authentication (the SuperLink's ``--enable-supernode-auth``), the
   node's own key, the operator's ``--auth-supernode-private-key``: the host asks as
-  the node itself; it holds no credential the SuperNode's operator does not;
+  the node itself; it holds no credential the SuperNode's operator does not (the key
+  file is read by the user that runs the SuperNode and the host);
 - without it (nodes register themselves), a key the host makes and registers the way a
   SuperNode registers itself (``RegisterNode``); it is never activated, so it is never
   online, never sampled and never sent a message, and it is unregistered when the host
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,10 +87,12 @@ def settings(
     supernode_pid: int | None,
     site: Mapping[str, Any],
     superlink: str | None = None,
+    root_certificates: str | None = None,
+    node_key: str | None = None,
 ) -> Fleet | None:
-    """The Fleet settings for the node: the SuperNode's command line, then the site's
-    keys, then ``superlink`` (the host's argument). None when there is no SuperLink to
-    ask (no SuperNode, as under the Simulation Engine, and no address given)."""
+    """The Fleet settings for the node: the host's arguments, then the site's
+    ``superlink``, then the SuperNode's command line. None when there is no SuperLink
+    to ask (no SuperNode, as under the Simulation Engine, and no address given)."""
     argv = _argv(supernode_pid) if supernode_pid is not None else []
     is_supernode = any(os.path.basename(a) == "flower-supernode" for a in argv[:2])
     if not is_supernode:
@@ -103,9 +108,10 @@ def settings(
     link = superlink or site.get("superlink") or _flag(argv, "--superlink")
     if not link and not is_supernode:
         return None
-    root = site.get("root_certificates") or path(_flag(argv, "--root-certificates"))
-    key = site.get("node_key") or path(_flag(argv, "--auth-supernode-private-key"))
-    insecure = "--insecure" in argv and not site.get("root_certificates")
+    root = root_certificates or path(_flag(argv, "--root-certificates"))
+    key = node_key or path(_flag(argv, "--auth-supernode-private-key"))
+    # Insecure as the SuperNode is, or for an address given without a CA (no SuperNode).
+    insecure = not root_certificates and ("--insecure" in argv or not is_supernode and not root)
     return Fleet(
         superlink=str(link or _DEFAULT_SUPERLINK),
         insecure=insecure,
@@ -154,7 +160,9 @@ class RunCheck:
             self._keys = generate_key_pairs()
         # As FleetHttpClient.from_server_address, with a short timeout: the watching
         # thread must not hang on a SuperLink that does not answer.
-        verify: bool | str = self.fleet.root_certificates or True
+        verify: bool | ssl.SSLContext = True
+        if self.fleet.root_certificates:
+            verify = ssl.create_default_context(cafile=self.fleet.root_certificates)
         self._client = FleetHttpClient(
             f"{'http' if self.fleet.insecure else 'https'}://{self.fleet.superlink}",
             interceptors=[
@@ -218,7 +226,7 @@ class RunCheck:
                 ),
             )
             return None
-        except (httpx.HTTPError, OSError, ValueError) as e:
+        except (httpx.HTTPError, OSError, ValueError, RuntimeError) as e:
             self._warn(
                 type(e).__name__,
                 f"no answer from the SuperLink at {self.fleet.superlink}: {e}",

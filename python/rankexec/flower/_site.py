@@ -15,7 +15,8 @@ naming the rule.
 Node-config keys (all optional): ``rankexec-site``, ``rankexec-launcher`` (a rankexec
 launcher value the ranks always use), ``rankexec-gpus`` (comma-separated devices),
 ``rankexec-max-processes``, ``rankexec-max-runs``, ``rankexec-lease`` (idle seconds),
-``rankexec-superlink`` (an insecure SuperLink's address for the run-status check),
+``rankexec-superlink`` (the SuperLink's address for the run-status check; default: the
+SuperNode's ``--superlink``),
 ``rankexec-python`` (the ranks' interpreter).
 
 Site file (JSON object; unknown keys refuse every request), all optional:

@@ -25,10 +25,12 @@ site's ``log_dir`` keeps them), when:
 
 - the run ends: the ServerApp's ``rankexec.flower.close_groups(grid)`` sends every
   node a ``query.rankexec_close`` message;
-- ``flwr stop``: the host asks the SuperLink's Control API for each run's status every
-  couple of seconds while the run holds a group; a finished run's task in flight gets
-  rankexec's abort (ranks that ignore it are killed after ``deadlines.abort_grace``)
-  and the group closes;
+- ``flwr stop`` (or the run's end without ``close_groups``): the host asks the
+  SuperLink's Fleet API, as the node, whether each run that holds a group still runs,
+  every couple of seconds (``_runcheck``: with TLS and SuperNode authentication, with
+  the SuperNode's own settings and key, never the Control API); a finished run's task
+  in flight gets rankexec's abort (ranks that ignore it are killed after
+  ``deadlines.abort_grace``) and the group closes;
 - the idle lease runs out (no message of the run for ``lease`` seconds).
 
 The host ends, with every group, when its SuperNode dies (it watches its pid), on
@@ -36,9 +38,11 @@ SIGTERM/SIGINT, or after a lease with no run. A rank that raises or dies fails t
 message (the ClientApp answers with Flower's ``Error``); that run's group is closed and
 its next message starts a new one.
 
-Caveats: the run-status check speaks to an ``--insecure`` SuperLink only (the address
-comes from the SuperNode's ``--superlink`` or the site's ``superlink``); with TLS or
-account auth, ``flwr stop`` is covered by the idle lease only. The channel proves the
+Caveats: the run-status check needs the SuperLink to answer (a SuperLink that cannot
+be reached leaves the run to the idle lease) and, with SuperNode authentication, the
+node's key (the SuperNode's ``--auth-supernode-private-key``, or ``--node-key`` for a
+host the site starts); without node authentication it registers a probe key that is
+never online (see ``_runcheck``). The channel proves the
 caller's uid, not its run (see ``_runs``). ``host.log`` is cut back to its last
 ``_LOG_KEEP`` bytes when it passes ``_LOG_MAX``. On shutdown a task that does not
 return within ``_SHUTDOWN_WAIT_S`` of its abort is closed by its own serving thread;
@@ -60,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower import _channel, _control, _site
+from rankexec.flower import _channel, _runcheck, _site
 from rankexec.flower._runs import Run
 
 __all__ = ["HOST_TAKEN_EXIT", "Host", "HostTaken", "main"]
@@ -115,6 +119,9 @@ class Host:
         lease_s: float | None = None,
         site_file: str | None = None,
         node_config: str | None = None,
+        *,
+        root_certificates: str | None = None,
+        node_key: str | None = None,
     ) -> None:
         self.dir = directory
         self.node_id = node_id
@@ -139,6 +146,10 @@ class Host:
             _log(f"the site's rules cannot be read (every request is refused): {e}")
             site = {}
         self.superlink = site.get("superlink") or superlink
+        fleet = _runcheck.settings(supernode_pid, site, superlink, root_certificates, node_key)
+        self.runcheck = _runcheck.RunCheck(fleet, node_id, _log) if fleet is not None else None
+        if fleet is not None:
+            self.superlink = fleet.superlink
         self.lease_s = float(lease_s if lease_s is not None else site.get("lease_s", 300.0))
         self.lock = threading.Lock()  # guards self.runs (short sections only)
         self.runs: dict[int, Run] = {}
@@ -262,10 +273,7 @@ class Host:
 
     def _run_finished(self, run_id: int) -> bool:
         """Whether the SuperLink says the run is over (``flwr stop`` or its end)."""
-        if not self.superlink:
-            return False
-        status = _control.run_status(self.superlink, run_id)
-        return status is not None and status.startswith("finished")
+        return self.runcheck is not None and self.runcheck.finished(run_id) is True
 
     def _watch(self) -> None:
         next_status: dict[int, float] = {}
@@ -331,6 +339,8 @@ class Host:
                 )
         for name in ("host.sock", "secret", "host.pid"):
             self._unlink_ours(name)
+        if self.runcheck is not None:
+            self.runcheck.close()
 
     # ---- the node's files ------------------------------------------------------------
 
@@ -410,7 +420,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--node-id", required=True, type=int)
     p.add_argument("--supernode-pid", type=int, default=None)
-    p.add_argument("--superlink", default=None, help="an insecure SuperLink's address")
+    p.add_argument(
+        "--superlink", default=None, help="the SuperLink's address (default: the SuperNode's)"
+    )
+    p.add_argument(
+        "--root-certificates",
+        default=None,
+        help="the CA that signs the SuperLink's certificate (default: the SuperNode's)",
+    )
+    p.add_argument(
+        "--node-key",
+        default=None,
+        help="the node's private key, with SuperNode authentication (default: the SuperNode's)",
+    )
     p.add_argument("--lease", type=float, default=None, help="idle seconds (default: the site's)")
     p.add_argument("--site", default=None, help="the site file (default: the SuperNode's)")
     p.add_argument(
@@ -420,7 +442,15 @@ def main(argv: list[str] | None = None) -> int:
     directory = _channel.private_dir(a.dir) if a.dir else _channel.node_dir(a.node_id)
     try:
         host = Host(
-            directory, a.node_id, a.supernode_pid, a.superlink, a.lease, a.site, a.node_config
+            directory,
+            a.node_id,
+            a.supernode_pid,
+            a.superlink,
+            a.lease,
+            a.site,
+            a.node_config,
+            root_certificates=a.root_certificates,
+            node_key=a.node_key,
         )
         host._take_node()
     except (HostTaken, _site.SiteError) as e:
