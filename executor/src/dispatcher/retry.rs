@@ -10,7 +10,8 @@
 //!
 //! A death while no task runs (between tasks) would fail the next task at once; with
 //! retries, that task runs on the relaunched group instead, and its answer names the
-//! death as try 0 (`absorb_idle_death`).
+//! death as try 0 (`absorb_idle_death`). Try 0 is not one of the task's tries: the
+//! budget, `retry_task`, is per task and counts only deaths during it (`tries_used`).
 //!
 //! Caveat: when one rank dies, the others often fail first in a collective (gloo's
 //! "connection closed by peer"), and with `rank0_only` rank 0's error alone completes
@@ -36,7 +37,7 @@ impl Dispatcher {
     /// Whether the task in flight may be run again after a death now: retries left and
     /// time left before its deadline.
     pub(super) fn may_retry(&self, t: &TaskOp, now: Instant) -> bool {
-        let used = t.cmd.reply.retries.len();
+        let used = tries_used(&t.cmd.reply.retries);
         used < self.cfg.restart.retry_task as usize && now < t.deadline && !self.finalized
     }
 
@@ -83,7 +84,9 @@ impl Dispatcher {
         c: &mut ExecuteCmd,
         err: ExecuteError,
     ) -> Option<ExecuteError> {
-        let retry_left = c.reply.retries.len() < self.cfg.restart.retry_task as usize;
+        // One death before the task is absorbed; it takes none of the task's tries.
+        let retry_left =
+            self.cfg.restart.retry_task > 0 && !c.reply.retries.iter().any(|r| r.attempt == 0);
         match &err {
             ExecuteError::RankFailed { failure, .. } if retry_left && failure.from_outside() => {
                 info!(
@@ -126,8 +129,7 @@ impl Dispatcher {
             span,
             ..
         } = t;
-        // Try 0 (a death before the task) is not one of its tries.
-        let attempt = c.reply.retries.iter().filter(|r| r.attempt > 0).count() as u32 + 1;
+        let attempt = tries_used(&c.reply.retries) as u32 + 1;
         span.in_scope(|| {
             warn!(
                 attempt,
@@ -144,4 +146,9 @@ impl Dispatcher {
         self.last_failure = Some(err);
         After::RetryTask(c)
     }
+}
+
+/// The task's own tries so far: try 0 (a death before the task) is not one of them.
+fn tries_used(retries: &[TaskRetry]) -> usize {
+    retries.iter().filter(|r| r.attempt > 0).count()
 }

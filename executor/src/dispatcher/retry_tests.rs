@@ -171,3 +171,48 @@ fn a_closed_connection_after_a_reported_error_is_its_consequence() {
     );
     assert!(d.pending.is_none() && d.queue.is_empty(), "no retry");
 }
+
+#[test]
+fn a_death_between_tasks_does_not_use_the_next_tasks_retries() {
+    // retry_task = 1: "up to 1 time" per task. A rank dies while no task runs; the next
+    // task runs on a relaunched group (its answer names that death as try 0) and still
+    // has its one retry for a death during it.
+    let mut d = with_retries(2, 1);
+    ready_group(&mut d);
+    d.fail_group(death(1, SIGKILL));
+    assert!(d.deferred.is_some() && d.group.is_none());
+    ready_group(&mut d); // the relaunch
+    let (rx, _) = sent_task(&mut d, &Signal::new());
+    let before: Vec<u32> = d
+        .task
+        .as_ref()
+        .unwrap()
+        .cmd
+        .reply
+        .retries
+        .iter()
+        .map(|r| r.attempt)
+        .collect();
+    assert_eq!(before, vec![0], "the death before the task is try 0");
+    d.fail_group(death(0, SIGKILL));
+    let got = rx.try_recv();
+    assert!(got.is_err(), "retried, not answered: {got:?}");
+    d.drain_queue();
+    let retried = d.pending.as_ref().and_then(|p| {
+        p.waiters.iter().find_map(|w| match w {
+            Waiter::Execute(c) => Some(
+                c.reply
+                    .retries
+                    .iter()
+                    .map(|r| (r.attempt, r.failure.rank))
+                    .collect::<Vec<_>>(),
+            ),
+            Waiter::Start(_) => None,
+        })
+    });
+    assert_eq!(
+        retried,
+        Some(vec![(0, 1), (1, 0)]),
+        "try 1 of 1 for the death during the task"
+    );
+}
