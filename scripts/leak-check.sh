@@ -36,9 +36,12 @@ while [ -n "$pid" ] && [ "$pid" -gt 1 ]; do
     pid="$(awk '/^PPid:/ {print $2}' "/proc/$pid/status" 2>/dev/null || true)"
 done
 
+zombie() {
+    awk '/^State:/ {exit !($2 == "Z" || $2 == "X")}' "/proc/$1/status" 2>/dev/null
+}
+
 has_tag() {
-    # One read of the environment; a process that is gone (or a zombie: empty
-    # environment) has no tag.
+    # One read of the environment; a process that is gone has no tag.
     { tr '\0' '\n' <"/proc/$1/environ"; } 2>/dev/null | grep -qxF "$WANT"
 }
 
@@ -48,6 +51,9 @@ for d in /proc/[0-9]*; do
     [ -z "${SKIP[$p]:-}" ] || continue
     [ "$p" != "$$" ] || continue
     has_tag "$p" || continue
+    # A zombie runs nothing and holds nothing but its pid (one whose parent died is
+    # reaped by init; where init does not reap, as in some containers, it stays).
+    zombie "$p" && continue
     LEFT+=("$p")
 done
 
@@ -55,8 +61,9 @@ done
 echo "error: ${#LEFT[@]} process(es) started by the test run (RXTEST_SUITE=$TAG) outlived it:" >&2
 for p in "${LEFT[@]}"; do
     ppid="$(awk '/^PPid:/ {print $2}' "/proc/$p/status" 2>/dev/null || echo '?')"
+    name="$(awk '/^(Name|State):/ {$1 = ""; printf "%s;", $0}' "/proc/$p/status" 2>/dev/null || true)"
     cmd="$({ tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | cut -c1-200 || true)"
-    echo "  pid $p (parent $ppid): ${cmd:-?}" >&2
+    echo "  pid $p (parent $ppid;${name:-}): ${cmd:-?}" >&2
 done
 if [ "$KILL" = 1 ]; then
     for p in "${LEFT[@]}"; do

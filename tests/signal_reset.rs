@@ -217,10 +217,19 @@ fn ranks_are_ready_with_their_final_mask_when_threads_start_slowly() {
             "rank {pid} reported ready with signals blocked (SigBlk {blk:#x})"
         );
     }
-    // Traced processes are killed through their pidfds (ranks, then the host), then
-    // strace; a host's death under a tracer is not what this test is about.
-    let ranks = started.ranks.clone();
-    drop(started);
+    // The ranks and the host are killed through their pidfds; strace then reaps the
+    // host and exits (killing strace first would leave the host a zombie for init).
+    // A host's death under a tracer is not what this test is about.
+    let Started {
+        ranks,
+        _ranks,
+        _wrapped,
+        mut child,
+        ..
+    } = started;
+    drop(_ranks);
+    drop(_wrapped);
+    wait_exit(&mut child.0, DIE_TIME);
     assert_gone(&ranks, "ranks killed with their traced host");
 }
 

@@ -334,10 +334,23 @@ impl Held {
 }
 
 impl Drop for Held {
+    /// Kills each, then waits (at most [`DIE_TIME`] in all) until each has exited, so
+    /// whoever drops the ranks' parent next finds them gone (and it reaped them; a rank
+    /// that outlived its parent would be left to init).
     fn drop(&mut self) {
+        use rustix::event::{PollFd, PollFlags, poll};
         for (_, fd) in &self.0 {
             // Fails (ESRCH) once the process has exited: nothing left to do.
             let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+        }
+        let deadline = Instant::now() + DIE_TIME;
+        for (_, fd) in &self.0 {
+            // A pidfd becomes readable when its process exits.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Ok(left) = rustix::event::Timespec::try_from(left) else {
+                return;
+            };
+            let _ = poll(&mut [PollFd::new(fd, PollFlags::IN)], Some(&left));
         }
     }
 }
