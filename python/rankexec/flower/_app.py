@@ -141,6 +141,8 @@ class ClientApp(FlowerClientApp):
             elif out.get("kind") == "SiteError":
                 who = "rankexec: refused by the node's site"
             return Message(Error(code=_RAISED, reason=f"{who}: {out['error']}"), reply_to=message)
+        if out.get("retries"):
+            _warn_retries(context.run_id, out["retries"])
         got = {k: bytes(v) for k, v in out["blobs"].items()}
         back = _codec.unpack(got[_codec.SPEC_BLOB])
         context.state = _codec.decode_records(back["state"], got)
@@ -167,3 +169,23 @@ class ClientApp(FlowerClientApp):
             closed, pids = bool(out.get("closed")), list(out.get("pids") or [])
         rec = MetricRecord({"closed": int(closed), "ranks": len(pids)})
         return Message(RecordDict({"rankexec": rec}), reply_to=message)
+
+
+def _warn_retries(run_id: int, retries: list[Any]) -> None:
+    """Flower's log (the SuperNode's): the message was answered after ``retry_task``
+    relaunched the group, naming each try a rank's death ended."""
+    from logging import WARNING
+
+    from flwr.supercore import log
+
+    for r in retries:
+        if isinstance(r, Mapping):
+            log(
+                WARNING,
+                "rankexec: run %s: try %s ended by rank %s (pid %s): %s; ran again (retry_task)",
+                run_id,
+                r.get("attempt"),
+                r.get("rank"),
+                r.get("pid"),
+                r.get("cause"),
+            )

@@ -114,7 +114,12 @@ class Run:
                 abort_reason="the Flower run was stopped",
             )
             blobs = {k: v for k, v in res.blobs.items()}
-            return {"ok": True, "blobs": blobs, "pids": self.group.pids()}
+            retries = [dict(r) for r in res.retries]
+            if retries:
+                # restart.retry_task: a rank's death from outside cost a retry, not the
+                # message; the reply is the relaunched group's.
+                log(f"run {self.run_id}: the task ran again after {_tries(retries)}")
+            return {"ok": True, "blobs": blobs, "pids": self.group.pids(), "retries": retries}
         except (RankFailed, StartupFailed) as e:
             rank = getattr(e, "rank", None)
             pid = getattr(e, "pid", None)
@@ -124,6 +129,9 @@ class Run:
                 # The rank's traceback: its last line first (the exception), then all.
                 lines = [ln for ln in str(remote).strip().splitlines() if ln.strip()]
                 cause = f"{lines[-1].strip()}\n{remote}" if lines else cause
+            retries = list(getattr(e, "retries", None) or [])
+            if retries:
+                cause = f"{cause} (after {_tries(retries)})"
             self.close_group(f"rank {rank} failed", log)
             return {"error": str(cause), "rank": rank, "pid": pid, "kind": type(e).__name__}
         except Aborted as e:
@@ -157,3 +165,14 @@ class Run:
             "pids": group.pids() if group is not None else [],
             "busy": self.busy,
         }
+
+
+def _tries(retries: list[Any]) -> str:
+    """``retry_task``'s tries in one line: each try's rank, pid and cause."""
+    parts = [
+        f"rank {r.get('rank')} (pid {r.get('pid')}): {r.get('cause')}"
+        for r in retries
+        if isinstance(r, Mapping)
+    ]
+    n = len(retries)
+    return f"{n} {'try' if n == 1 else 'tries'} a rank's death ended: " + "; ".join(parts)

@@ -1,14 +1,16 @@
 """rankexec.flower under Flower's real Deployment Engine (flwr 1.42), offline.
 
 One SuperLink and two SuperNodes (``--insecure``, a private ``FLWR_HOME``, free ports,
-telemetry and update checks off) serve three runs of ``examples/flower/ddp-digits``
+telemetry and update checks off) serve four runs of ``examples/flower/ddp-digits``
 (two DDP ranks per node, gloo, FedAvg):
 
 1. the example: held-out accuracy >= 0.95, every node's ranks the same pids in every
    round, every group closed by the ServerApp's ``close_groups`` at the end;
 2. a rank that raises: the node answers with Flower's ``Error`` naming the rank and
    the exception, the next round runs on a relaunched group;
-3. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
+3. rank 1 of one node SIGKILLed mid-round: ``restart.retry_task`` runs the node's
+   message again on a relaunched group, and the round aggregates both nodes;
+4. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
    run mid-round (the other node's task is aborted and its group closes).
 
 Every Flower process is stopped by pid afterwards, and no process that carries the
@@ -116,6 +118,39 @@ def test_a_raising_rank_answers_an_error_and_the_group_is_relaunched(dep: Deploy
     relaunched = next(p for p in later if p != survivor)
     print(f"[flower] the failed node's new ranks: {relaunched}")
     wait_until(lambda: not any(pid_alive(p) for p in relaunched), 30, "ranks gone")
+
+
+def test_a_killed_rank_costs_a_retry_not_the_round(dep: Deployment) -> None:
+    """restart.retry_task (the example asks for 1): rank 1 of one node SIGKILLed
+    mid-round; the node's message runs again on a relaunched group and the round
+    aggregates both nodes."""
+    out = dep.root / "result-retry.json"
+    run = dep.submit(APP, {"result-file": str(out), "num-server-rounds": 1, "slow-s": 15.0})
+    nodes: list[int] = []
+
+    def both_busy() -> bool:
+        nodes[:] = _nodes(dep)
+        st = [host_status_in(dep, n) for n in nodes]
+        return len(st) == 2 and all(s is not None and run in s["runs"] and s["busy"] for s in st)
+
+    wait_until(both_busy, 180, "both nodes' groups busy with the slow round")
+    node = nodes[0]
+    old = host_status_in(dep, node)["runs"][run]["pids"]
+    os.kill(old[1], signal.SIGKILL)
+    status = dep.wait_run(run, 300)
+    res = _result(out)
+    print(f"\n[flower] run {run}: {status}; rank 1 (pid {old[1]}) of node {node} SIGKILLed")
+    assert status == "finished:completed", dep.last_failure[-4000:]
+    assert res["errors"] == [[]], res["errors"]
+    (replies,) = res["replies"]
+    assert len(replies) == 2, "the round aggregated both nodes"
+    pids = [p for r in replies for p in r["pids"]]
+    assert not set(old) & set(pids), "the killed node answered from a relaunched group"
+    log = (dep.root / "rx" / f"node-{node}" / "host.log").read_text()
+    line = next(ln for ln in log.splitlines() if "ran again after" in ln)
+    print(f"[flower] {line.strip()}")
+    assert f"rank 1 (pid {old[1]})" in line
+    wait_until(lambda: not any(pid_alive(p) for p in pids + old), 30, "ranks gone")
 
 
 def test_sigkilled_supernode_and_flwr_stop_leave_nothing(dep: Deployment) -> None:

@@ -18,7 +18,13 @@ import time
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from rankexec.flower import ClientApp, abort_requested
 
-app = ClientApp(num_of_processes=2, deadlines={"startup": "120s", "task": "300s"})
+app = ClientApp(
+    num_of_processes=2,
+    deadlines={"startup": "120s", "task": "300s"},
+    # A rank killed from outside (a signal, the OOM killer) costs a retry of the message
+    # on a relaunched group, not the node's round; a rank's own exception is not retried.
+    restart={"retry_task": 1},
+)
 
 _net: dict = {}
 
