@@ -148,7 +148,7 @@ def load(node_config: Mapping[str, Any], site_file: str | None = None) -> dict[s
 
 def _where(site: Mapping[str, Any], key: str) -> str:
     file = site.get("_file")
-    return f"`{key}` in the site file {file}" if file else f"`{key}` in the site file (none set)"
+    return f"`{key}` in the site file {file}" if file else f"`{key}` of the site (no site file)"
 
 
 def _launcher(x: Any) -> Any:
