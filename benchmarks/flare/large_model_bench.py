@@ -3,7 +3,7 @@ against ``rankexec.flare.ScriptExecutor``, with every process's memory sampled.
 
 Each side runs the same job under the real ``nvflare simulator``: the one
 ``examples/flare/large-model/job.py`` exports (FLARE's ``FedAvgRecipe``, a generated
-GPT-2-shaped model of ``--size`` in ``--dtype``, ``server_expected_format="pytorch"``),
+GPT-2-shaped model of ``--size`` in ``--dtype``, or 8 equal tensors with ``--layout flat``, ``server_expected_format="pytorch"``),
 with FLARE's own executor (``--executor flare``: ``torchrun_node --nproc-per-node=R``) or
 rankexec's (``use_rank_groups``); the script (``client.py``) is the same file: rank 0
 receives the global model, adds 1 to every weight in place, sends the whole state dict;
@@ -237,6 +237,8 @@ def export_job(args: argparse.Namespace, impl: str, out: Path) -> Path:
         str(args.size),
         "--dtype",
         args.dtype,
+        "--layout",
+        args.layout,
         "--rounds",
         str(args.rounds),
         "--clients",
@@ -352,9 +354,13 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         capture_output=True,
         timeout=120,
     )
-    from gpt_shape import config_for, nbytes
+    from gpt_shape import DTYPES, config_for, flat_config, nbytes
 
-    model_bytes = nbytes(**config_for(args.size, args.dtype))
+    if args.layout == "flat":
+        flat = flat_config(args.size, args.dtype)
+        model_bytes = flat["tensors"] * flat["elements"] * DTYPES[args.dtype].itemsize
+    else:
+        model_bytes = nbytes(**config_for(args.size, args.dtype))
     load0 = os.getloadavg()
     shmem0 = meminfo().get("Shmem", 0)
     t0 = time.monotonic()
@@ -405,6 +411,7 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         "executor": impl,
         "size_bytes": model_bytes,
         "dtype": args.dtype,
+        "layout": args.layout,
         "clients": args.clients,
         "ranks": args.ranks,
         "rounds": args.rounds,
@@ -517,6 +524,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("1GiB"))
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="float32")
+    p.add_argument(
+        "--layout", choices=("gpt2", "flat"), default="gpt2", help="flat: 8 equal tensors"
+    )
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)

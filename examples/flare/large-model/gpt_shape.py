@@ -121,6 +121,17 @@ def nbytes(width: int, layers: int, vocab: int, positions: int, dtype: str = "bf
     return elem * sum(math.prod(s) for _, s in layout(width, layers, vocab, positions))
 
 
+def _register(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        owner: nn.Module = module
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+
+
 class GPTShape(nn.Module):
     """The tensors of ``state_dict`` as parameters, under the same names."""
 
@@ -130,15 +141,27 @@ class GPTShape(nn.Module):
         super().__init__()
         self.width, self.layers, self.vocab = width, layers, vocab
         self.positions, self.dtype = positions, dtype
-        tensors = state_dict(width, layers, vocab, positions, dtype)
-        for name, t in tensors.items():
-            *path, leaf = name.split(".")
-            owner: nn.Module = self
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+        _register(self, state_dict(width, layers, vocab, positions, dtype))
+
+
+def flat_config(size_bytes: int, dtype: str = "float32", tensors: int = 8) -> dict:
+    """``FlatShape`` arguments: `tensors` equal 1-D tensors of `size_bytes` in all (the
+    issue's first measurement: 1 GiB float32 as 8 tensors of 128 MiB)."""
+    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    return {"tensors": tensors, "elements": size_bytes // elem // tensors, "dtype": dtype}
+
+
+class FlatShape(nn.Module):
+    """``tensors`` 1-D tensors ``p.0`` ... of ``elements`` each, filled as ``state_dict``'s."""
+
+    def __init__(self, tensors: int, elements: int, dtype: str = "float32") -> None:
+        super().__init__()
+        self.tensors, self.elements, self.dtype = tensors, elements, dtype
+        dt = DTYPES[dtype]
+        _register(
+            self,
+            {f"p.{i}": torch.full((elements,), initial_value(i), dtype=dt) for i in range(tensors)},
+        )
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Run from this folder::
     python job.py --size 256MiB                      # simulator, 2 sites x 2 ranks, 3 rounds
     python job.py --size 4.5GiB --clients 1 --ranks 2
     python job.py --share all                        # every rank receives (rankexec only)
+    python job.py --size 1GiB --dtype float32 --layout flat   # 8 tensors of 128 MiB
     python job.py --export --export-dir jobs         # only write the job (jobs/large-model)
 
 then ``nvflare simulator jobs/large-model -w WS -n 2 -t 2``. Sites need ``rankexec``
@@ -22,7 +23,7 @@ import argparse
 import os
 import sys
 
-from gpt_shape import DTYPES, config_for, nbytes, parse_size
+from gpt_shape import DTYPES, config_for, flat_config, nbytes, parse_size
 from nvflare.app_opt.pt.recipes.fedavg import FedAvgRecipe
 from nvflare.client.config import ExchangeFormat
 from nvflare.recipe import SimEnv
@@ -33,12 +34,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def make_recipe(args: argparse.Namespace) -> FedAvgRecipe:
     if args.share == "all" and args.executor != "rankexec":
         raise SystemExit("--share all needs --executor rankexec (all_ranks_receive)")
-    cfg = config_for(args.size, args.dtype)
-    print(f"model: {cfg}, {nbytes(**cfg)} bytes", flush=True)
+    if args.layout == "flat":
+        cfg = flat_config(args.size, args.dtype, args.tensors)
+        model = {"class_path": "gpt_shape.FlatShape", "args": cfg}
+        size = cfg["tensors"] * cfg["elements"] * DTYPES[args.dtype].itemsize
+    else:
+        cfg = config_for(args.size, args.dtype)
+        model = {"class_path": "gpt_shape.GPTShape", "args": cfg}
+        size = nbytes(**cfg)
+    print(f"model: {cfg}, {size} bytes", flush=True)
     torchrun = f"python3 -m nvflare.app_opt.pt.torchrun_node --nproc-per-node={args.ranks}"
     recipe = FedAvgRecipe(
         name="large-model",
-        model={"class_path": "gpt_shape.GPTShape", "args": cfg},
+        model=model,
         min_clients=args.clients,
         num_rounds=args.rounds,
         train_script="client.py",  # relative: FLARE ships it as custom/client.py
@@ -60,6 +68,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", type=parse_size, default=parse_size("256MiB"))
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument(
+        "--layout", choices=("gpt2", "flat"), default="gpt2", help="flat: --tensors equal tensors"
+    )
+    p.add_argument("--tensors", type=int, default=8, help="--layout flat: how many")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--ranks", type=int, default=2)
