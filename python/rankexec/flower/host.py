@@ -58,6 +58,7 @@ import fcntl
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -90,12 +91,16 @@ def _bound_stderr() -> None:
     with contextlib.suppress(OSError, ValueError):
         fd = sys.stderr.fileno()
         st = os.fstat(fd)
-        if not (st.st_mode & 0o170000 == 0o100000 and st.st_size > _LOG_MAX):
+        if not (stat.S_ISREG(st.st_mode) and st.st_size > _LOG_MAX):
             return
-        tail = os.pread(fd, _LOG_KEEP, st.st_size - _LOG_KEEP)
+        # stderr is often write-only (opened for appending): read through /proc.
+        with open(f"/proc/self/fd/{fd}", "rb") as f:
+            f.seek(st.st_size - _LOG_KEEP)
+            tail = f.read(_LOG_KEEP)
+        sys.stderr.flush()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, b"[host.log cut to its last bytes]\n" + tail, 0)
-        os.lseek(fd, 0, os.SEEK_END)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, b"[host.log cut to its last bytes]\n" + tail)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -353,3 +353,32 @@ def test_one_host_per_node(app, tmp_path) -> None:
     left = sorted(p.name for p in directory.iterdir())
     print(f"[flower-host] the node's folder after the host: {left}")
     assert not {"host.sock", "secret", "host.pid"} & set(left), left
+
+
+def test_the_host_log_is_bounded(tmp_path) -> None:
+    """host.log lives in memory ($XDG_RUNTIME_DIR): a host cuts it to its last MiB once
+    it passes 4 MiB, instead of letting it grow with every run."""
+    import subprocess
+
+    node = 7007
+    directory = tmp_path / "rx" / f"node-{node}"
+    directory.mkdir(parents=True, mode=0o700)
+    log_path = directory / "host.log"
+    log_path.write_bytes(b"an old line of an earlier host\n" * (5 << 20 >> 5))
+    before = log_path.stat().st_size
+    with open(log_path, "ab") as log:
+        host = subprocess.Popen(
+            [sys.executable, "-m", "rankexec.flower.host", "--node-id", str(node)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: host_status(node) is not None, 60, "the host listening")
+        wait_until(lambda: b"serving node" in log_path.read_bytes()[-4096:], 30, "its log line")
+        after = log_path.stat().st_size
+        print(f"\n[flower-host] host.log: {before} bytes before the host, {after} after")
+        assert after < 2 << 20, after
+        assert b"[host.log cut to its last bytes]" in log_path.read_bytes()[:64]
+    finally:
+        _stop(host)
