@@ -29,7 +29,7 @@ Identity (every Fleet request is signed by a key the SuperLink knows):
 - without it (nodes register themselves), a key the host makes and registers the way a
   SuperNode registers itself (``RegisterNode``); it is never activated, so it is never
   online, never sampled and never sent a message, and it is unregistered when the host
-  ends. While the host runs it is listed by ``flwr supernode list`` as ``registered``.
+  ends (``flwr supernode list`` shows it as ``registered``, then ``unregistered``).
 
 Caveats: a SuperLink that cannot be reached, or that does not know the run (a restarted
 SuperLink without a database), answers nothing: the run is left to its lease. Under the
@@ -52,6 +52,8 @@ __all__ = ["FINISHED_CODE", "Fleet", "RunCheck", "settings"]
 
 #: flwr's ApiErrorCode.FLEET_RUN_STATUS_NOT_ALLOWED: GetRun of a run that is not running.
 FINISHED_CODE = 2007
+# flwr's ApiErrorCode.FLEET_GET_RUN_FAILED: a run the SuperLink does not know.
+_GET_RUN_FAILED = 2008
 _DEFAULT_SUPERLINK = "127.0.0.1:9092"
 _TIMEOUT_S = 5.0
 
@@ -220,8 +222,8 @@ class RunCheck:
                 f" ({e.response.status_code} {detail}); the run is left to its lease"
                 + (
                     "; a SuperLink with node authentication needs the node's key (the"
-                    " SuperNode's --auth-supernode-private-key or the site's node_key)"
-                    if not self.fleet.node_key
+                    " SuperNode's --auth-supernode-private-key or the host's --node-key)"
+                    if not self.fleet.node_key and code != _GET_RUN_FAILED
                     else ""
                 ),
             )
