@@ -14,18 +14,26 @@ use common::*;
 use nix::sys::signal::{Signal as Sig, kill};
 use nix::unistd::Pid;
 
-fn spawn_host(extra: &[&str]) -> (std::process::Child, Vec<u32>, PathBuf) {
+/// The host and its ranks, each killed when dropped (a failing check leaves none).
+struct Host {
+    child: Reaper,
+    _ranks: Held,
+}
+
+fn spawn_host(extra: &[&str]) -> (Host, Vec<u32>, PathBuf) {
     let logs = tempfile::tempdir().unwrap().keep();
-    let mut child = Command::new(rankexec_bin())
-        .args(["run", "--task", "t", "--print-pids", "--log-dir"])
-        .arg(&logs)
-        .args(extra)
-        .env("RANKEXEC_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
+    let mut child = Reaper(
+        Command::new(rankexec_bin())
+            .args(["run", "--task", "t", "--print-pids", "--log-dir"])
+            .arg(&logs)
+            .args(extra)
+            .env("RANKEXEC_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let out = child.0.stdout.take().unwrap();
     let mut lines = BufReader::new(out).lines();
     let pids = loop {
         let line = lines.next().expect("host printed its pids").unwrap();
@@ -36,7 +44,16 @@ fn spawn_host(extra: &[&str]) -> (std::process::Child, Vec<u32>, PathBuf) {
                 .collect::<Vec<u32>>();
         }
     };
-    (child, pids, logs)
+    // The host is alive and has not reaped them: these pids are its ranks.
+    let ranks = Held::new(&pids);
+    (
+        Host {
+            child,
+            _ranks: ranks,
+        },
+        pids,
+        logs,
+    )
 }
 
 /// Waits (bounded) until the rank's stderr log (the launcher's, for a launched rank)
@@ -50,13 +67,13 @@ fn wait_in_task(logs: &Path) {
     }
 }
 
-fn kill_host_and_time(mut host: std::process::Child, pids: &[u32]) -> Duration {
+fn kill_host_and_time(mut host: Host, pids: &[u32]) -> Duration {
     for p in pids {
         assert!(pid_alive(*p), "rank {p} runs before the kill");
     }
     let t = Instant::now();
-    kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
-    let _ = host.wait();
+    kill(Pid::from_raw(host.child.0.id() as i32), Sig::SIGKILL).unwrap();
+    let _ = host.child.0.wait();
     match wait_gone(pids, Duration::from_secs(1)) {
         Ok(_) => t.elapsed(),
         Err(alive) => panic!("ranks {alive:?} outlived the host by more than 1 s"),

@@ -30,31 +30,35 @@ fn looks_like_a_secret(v: &str) -> bool {
 fn builtin_ranks_get_the_secret_by_pipe_and_the_log_filter_by_env() {
     let logs = tempfile::tempdir().unwrap();
     let filter = "info,rankexec_sub_worker=debug";
-    let mut host = Command::new(rankexec_bin())
-        .args([
-            "run",
-            "-n",
-            "2",
-            "--task",
-            "t",
-            "--print-pids",
-            "--component",
-            "Sleep",
-        ])
-        .args(["--args", r#"{"secs": 120}"#, "--log-dir"])
-        .arg(logs.path())
-        .env("RANKEXEC_LOG", filter)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(host.stdout.take().unwrap()).lines();
+    let mut host = Reaper(
+        Command::new(rankexec_bin())
+            .args([
+                "run",
+                "-n",
+                "2",
+                "--task",
+                "t",
+                "--print-pids",
+                "--component",
+                "Sleep",
+            ])
+            .args(["--args", r#"{"secs": 120}"#, "--log-dir"])
+            .arg(logs.path())
+            .env("RANKEXEC_LOG", filter)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(host.0.stdout.take().unwrap()).lines();
     let pids: Vec<u32> = loop {
         let line = lines.next().expect("the host printed its pids").unwrap();
         if let Some(rest) = line.strip_prefix("pids: ") {
             break rest.split(' ').map(|p| p.parse().unwrap()).collect();
         }
     };
+    // Killed on any exit of this test (the host by its Reaper).
+    let _ranks = Held::new(&pids);
     assert_eq!(pids.len(), 2);
     for pid in &pids {
         let env = environ(*pid);
@@ -99,7 +103,7 @@ fn builtin_ranks_get_the_secret_by_pipe_and_the_log_filter_by_env() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let _ = host.kill();
-    let _ = host.wait();
+    let _ = host.0.kill();
+    let _ = host.0.wait();
     assert_gone(&pids, "ranks after the host");
 }

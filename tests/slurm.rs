@@ -304,21 +304,24 @@ fn a_rank_killed_under_srun_is_reported_with_its_rank() {
 }
 
 /// A `rankexec run` host of `cfg` (its task sleeps 120 s) and the pids it printed once
-/// its group was ready (srun's and its ranks').
-fn spawn_host(cfg: &ExecutorConfig, dir: &Path) -> (std::process::Child, Vec<u32>) {
+/// its group was ready (srun's and its ranks'), each killed when dropped (a failing
+/// check leaves none of them).
+fn spawn_host(cfg: &ExecutorConfig, dir: &Path) -> ((Reaper, Held), Vec<u32>) {
     let mut cfg = cfg.clone();
     cfg.components[0].args = serde_json::json!({"secs": 120});
     let cfg_path = dir.join("cfg.json");
     std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
-    let mut host = Command::new(rankexec_bin())
-        .args(["run", "--task", "t", "--print-pids", "--config"])
-        .arg(&cfg_path)
-        .env("RANKEXEC_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(host.stdout.take().unwrap()).lines();
+    let mut host = Reaper(
+        Command::new(rankexec_bin())
+            .args(["run", "--task", "t", "--print-pids", "--config"])
+            .arg(&cfg_path)
+            .env("RANKEXEC_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(host.0.stdout.take().unwrap()).lines();
     let pids_line = loop {
         let line = lines.next().expect("the host printed its pids").unwrap();
         if let Some(rest) = line.strip_prefix("pids: ") {
@@ -330,7 +333,9 @@ fn spawn_host(cfg: &ExecutorConfig, dir: &Path) -> (std::process::Child, Vec<u32
         .filter_map(|p| p.parse().ok())
         .collect();
     assert!(!pids.is_empty(), "pids: {pids_line}");
-    (host, pids)
+    // The host is alive and holds its group: these pids are srun and its ranks.
+    let held = Held::new(&pids);
+    ((host, held), pids)
 }
 
 #[test]
@@ -339,10 +344,10 @@ fn a_sigkilled_host_leaves_no_step_under_srun() {
     let _serial = serial();
     let logs = tempfile::tempdir().unwrap();
     let cfg = srun_config(&conf, logs.path(), "Sleep");
-    let (mut host, pids) = spawn_host(&cfg, logs.path());
+    let ((mut host, _held), pids) = spawn_host(&cfg, logs.path());
     assert_eq!(steps(&conf).len(), 1, "one step runs");
-    kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
-    let _ = host.wait();
+    kill(Pid::from_raw(host.0.id() as i32), Sig::SIGKILL).unwrap();
+    let _ = host.0.wait();
     assert_gone_under_slurm(&pids, "ranks and srun after the host's SIGKILL");
     assert_no_step_left(&conf, "SIGKILL of the host");
     eprintln!("host SIGKILLed under srun: {pids:?} gone; no step, no slurmstepd");
@@ -358,7 +363,7 @@ fn ranks_leave_a_sigkilled_host_on_a_busy_machine_under_srun() {
     let _serial = serial();
     let logs = tempfile::tempdir().unwrap();
     let cfg = srun_config(&conf, logs.path(), "Sleep");
-    let (mut host, pids) = spawn_host(&cfg, logs.path());
+    let ((mut host, _held), pids) = spawn_host(&cfg, logs.path());
     let worker = std::fs::canonicalize(worker_bin()).unwrap();
     let (ranks, srun): (Vec<u32>, Vec<u32>) = pids
         .iter()
@@ -367,8 +372,8 @@ fn ranks_leave_a_sigkilled_host_on_a_busy_machine_under_srun() {
     assert_eq!(ranks.len(), 2, "two ranks among {pids:?}");
     let hogs = Hogs::start();
     let t = Instant::now();
-    kill(Pid::from_raw(host.id() as i32), Sig::SIGKILL).unwrap();
-    let _ = host.wait();
+    kill(Pid::from_raw(host.0.id() as i32), Sig::SIGKILL).unwrap();
+    let _ = host.0.wait();
     if let Err(alive) = wait_gone(&ranks, Duration::from_secs(10)) {
         for p in &alive {
             let _ = kill(Pid::from_raw(*p as i32), Sig::SIGKILL);

@@ -194,32 +194,37 @@ fn no_torchrun_worker_outlives_a_sigkilled_host() {
     let cfg = torchrun_config(dir.path(), &torch, serde_json::json!({"secs": 120}));
     let cfg_path = dir.path().join("cfg.json");
     std::fs::write(&cfg_path, serde_json::to_string(&cfg).unwrap()).unwrap();
-    let mut host = Command::new(rankexec_bin())
-        .args(["run", "--task", "t", "--print-pids", "--config"])
-        .arg(&cfg_path)
-        .env("RANKEXEC_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(host.stdout.take().unwrap()).lines();
+    // Killed on any exit of this test, with torchrun and its workers (held below).
+    let mut host = Reaper(
+        Command::new(rankexec_bin())
+            .args(["run", "--task", "t", "--print-pids", "--config"])
+            .arg(&cfg_path)
+            .env("RANKEXEC_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(host.0.stdout.take().unwrap()).lines();
     while !lines
         .next()
         .expect("the host printed its pids")
         .unwrap()
         .starts_with("pids: ")
     {}
-    let launchers = children_of(host.id());
+    let launchers = children_of(host.0.id());
+    let _launchers = Held::new(&launchers);
     assert_eq!(launchers.len(), 1, "one torchrun under the host");
     let launcher = launchers[0];
     let workers = workers_of(launcher, 2);
+    let _workers = Held::new(&workers);
     assert_own_sessions(&workers);
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(host.id() as i32),
+        nix::unistd::Pid::from_raw(host.0.id() as i32),
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    let _ = host.wait();
+    let _ = host.0.wait();
     let t = Instant::now();
     assert_gone(&workers, "SIGKILL of the host (workers)");
     let workers_took = t.elapsed();
