@@ -26,8 +26,8 @@ site's ``log_dir`` keeps them), when:
 - the run ends: the ServerApp's ``rankexec.flower.close_groups(grid)`` sends every
   node a ``query.rankexec_close`` message;
 - ``flwr stop`` (or the run's end without ``close_groups``): the host asks the
-  SuperLink's Fleet API, as the node, whether each run that holds a group still runs,
-  every couple of seconds (``_runcheck``: with TLS and SuperNode authentication, with
+  SuperLink's Fleet API, as the node, whether each run it knows still runs (a live
+  group or one closed by a failure or an abort), every couple of seconds (``_runcheck``: with TLS and SuperNode authentication, with
   the SuperNode's own settings and key, never the Control API); a finished run's task
   in flight gets rankexec's abort (ranks that ignore it are killed after
   ``deadlines.abort_grace``) and the group closes;
@@ -291,7 +291,9 @@ class Host:
                 runs = list(self.runs.values())
                 idle = now - self.last_active
             for run in runs:
-                if run.group is not None and now >= next_status.get(run.run_id, 0.0):
+                # Every run the host knows, with or without a live group (one whose task
+                # was aborted, or whose rank failed): a finished run is forgotten at once.
+                if now >= next_status.get(run.run_id, 0.0):
                     next_status[run.run_id] = now + 2.0
                     if self._run_finished(run.run_id):
                         self._run_ended(run, f"run {run.run_id} is finished (flwr stop or its end)")
@@ -415,7 +417,8 @@ class Host:
 def _pickle_buffer(v: Any) -> Any:
     import pickle
 
-    return pickle.PickleBuffer(memoryview(v))
+    # The blob itself (not a memoryview of it): the channel passes its memory file.
+    return pickle.PickleBuffer(v)
 
 
 def main(argv: list[str] | None = None) -> int:
