@@ -143,6 +143,31 @@ impl Blob {
             .collect())
     }
 
+    /// A blob of `len` bytes at `offset` (a multiple of the page size) of a memory file
+    /// received from another process (over a socket of the caller's own): checked to be
+    /// sealed against writes, shrinking and growing and long enough, then mapped
+    /// read-only, as a frame's memory files are.
+    pub fn from_memfd(fd: OwnedFd, offset: u64, len: u64) -> Result<Blob, crate::os::ShmError> {
+        if offset != crate::os::page_align(offset) {
+            return Err(crate::os::ShmError::Io(std::io::Error::other(format!(
+                "offset {offset} is not at a page boundary"
+            ))));
+        }
+        let end = offset
+            .checked_add(len)
+            .ok_or(crate::os::ShmError::TooShort {
+                actual: 0,
+                declared: u64::MAX,
+            })?;
+        let (bytes, fd) = crate::os::map_sealed(fd, end)?;
+        let start = offset as usize;
+        Ok(Blob::from_sealed_memfd_at(
+            bytes.slice(start..start + len as usize),
+            fd,
+            offset,
+        ))
+    }
+
     /// The sealed memory file behind this blob, if it has one.
     pub fn memfd(&self) -> Option<&Arc<OwnedFd>> {
         self.memfd.as_ref()

@@ -57,7 +57,7 @@ def test_a_state_dict_of_300_tensors_travels_as_one_memory_file_both_ways(tmp_pa
         g.start()
         for _ in range(2):
             r = g.execute("train", {}, dict(blobs))
-            inodes = {tuple(v)[0] for v in r.meta["where"].values()}
+            inodes = {v[0] for v in r.meta["where"].values()}
             assert len(inodes) == 1, "every input tensor in one memory file"
             assert all(v[1] for v in r.meta["where"].values())
             assert len(r.blobs) == 300

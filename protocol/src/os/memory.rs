@@ -70,6 +70,14 @@ pub fn page_align(n: u64) -> u64 {
     n.div_ceil(p).saturating_mul(p)
 }
 
+/// Whether two descriptors name the same file (device and inode).
+pub(crate) fn same_file(a: &std::os::fd::OwnedFd, b: &std::os::fd::OwnedFd) -> bool {
+    match (rustix::fs::fstat(a), rustix::fs::fstat(b)) {
+        (Ok(x), Ok(y)) => x.st_dev == y.st_dev && x.st_ino == y.st_ino,
+        _ => false,
+    }
+}
+
 /// Bytes of memory a new memory file can take now, or None when it cannot be read.
 pub fn available_memory() -> Option<u64> {
     let host = mem_available(&fs::read_to_string("/proc/meminfo").ok()?);

@@ -7,4 +7,5 @@ mod memory;
 
 pub use imp::ShmError;
 pub(crate) use imp::*;
+pub(crate) use memory::same_file;
 pub use memory::{NoMemory, admit, available_memory, page_align};

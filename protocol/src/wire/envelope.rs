@@ -199,7 +199,13 @@ pub fn pack(
                 // Every shared blob without a file has a slot in the arena above.
                 (None, None) => unreachable!("a blob to copy without a memory file"),
             };
-            let index = match fds.iter().position(|f| Arc::ptr_eq(f, fd)) {
+            // One descriptor per file: the same `Arc`, or another descriptor of the
+            // same file (blobs a process received one by one, say over Flower's
+            // channel, each with its own duplicate).
+            let index = match fds
+                .iter()
+                .position(|f| Arc::ptr_eq(f, fd) || os::same_file(f, fd))
+            {
                 Some(i) => i,
                 None => {
                     fds.push(fd.clone());

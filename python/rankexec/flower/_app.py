@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp as FlowerClientApp
 
 from rankexec.flower import _channel, _codec, _start
@@ -122,6 +122,7 @@ class ClientApp(FlowerClientApp):
             "task_id": getattr(TaskIdentity, "_task_id", None),
         }
         blobs[_codec.SPEC_BLOB] = _codec.pack(spec)
+        _share_and_release(blobs, message, context)
         req = {
             "op": "execute",
             "run_id": context.run_id,
@@ -143,7 +144,9 @@ class ClientApp(FlowerClientApp):
             return Message(Error(code=_RAISED, reason=f"{who}: {out['error']}"), reply_to=message)
         if out.get("retries"):
             _warn_retries(context.run_id, out["retries"])
-        got = {k: bytes(v) for k, v in out["blobs"].items()}
+        # Rank 0's arrays stay where they are (its memory file, mapped here): Flower
+        # reads them in place when it sends the reply.
+        got = dict(out["blobs"])
         back = _codec.unpack(got[_codec.SPEC_BLOB])
         context.state = _codec.decode_records(back["state"], got)
         return _codec.decode_message(back["reply"], got)
@@ -189,3 +192,23 @@ def _warn_retries(run_id: int, retries: list[Any]) -> None:
                 r.get("pid"),
                 r.get("cause"),
             )
+
+
+def _share_and_release(blobs: dict[str, Any], message: Message, context: Context) -> None:
+    """Copies the message's large arrays into one memory file (which the channel passes
+    to the node's host and the host to every rank, as it is), then lets go of Flower's
+    own copies of them in this process: the ClientApp holds the model once, in shared
+    memory, while the ranks run. (The reply and the context's state are rebuilt from
+    rank 0's answer.)"""
+    from rankexec._rankexec import share
+
+    large = [k for k, v in blobs.items() if memoryview(v).nbytes >= _channel.SHARE_FROM]
+    if not large:
+        return
+    for k, blob in zip(large, share([blobs[k] for k in large]), strict=True):
+        blobs[k] = blob
+    held = [context.state] if message.has_error() else [message.content, context.state]
+    for records in held:
+        for rec in records.values():
+            if isinstance(rec, ArrayRecord):
+                rec.clear()

@@ -11,9 +11,17 @@ authenticates its ranks:
   a client answers the host's nonce with HMAC-SHA256(secret, nonce);
 - a peer uid check (``SO_PEERCRED``) on both sides: only this uid talks to the host.
 
-Frames: an 8-byte length, then a pickle (protocol 5) whose out-of-band buffers (the
-arrays' bytes) follow as raw frames, so large payloads are never re-pickled. Pickle is
-only read after authentication.
+Frames: a pickle (protocol 5) whose out-of-band buffers (the arrays' bytes) travel
+apart, so large payloads are never re-pickled: a buffer of at least ``SHARE_FROM``
+bytes travels as a sealed memory file passed with ``SCM_RIGHTS`` (the ClientApp copies
+its message's arrays once into one file, which the host hands to the ranks as it is;
+rank 0's result file comes back to the ClientApp the same way, mapped, not copied),
+a smaller one as raw bytes after the pickle. Pickle is only read after authentication.
+
+Frame layout: ``<QQQ`` (pickle length, buffer count, descriptor count), then a
+``<QqQ`` per buffer (length, descriptor index or -1 for raw bytes, offset in the
+file), the pickle, then the raw buffers in order; the descriptors come with the first
+bytes.
 
 Caveats: Linux only (``SO_PEERCRED``); the base directory is ``$RANKEXEC_FLOWER_DIR``,
 else ``$XDG_RUNTIME_DIR/rankexec-flower``, else ``/tmp/rankexec-flower-<uid>``.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import os
 import pickle
 import secrets
@@ -102,23 +111,140 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+#: Buffers at least this large travel as memory files.
+SHARE_FROM = 64 << 10
+#: The most descriptors one frame passes (the kernel's SCM_MAX_FD is 253).
+MAX_FDS = 64
+_FIXED = struct.Struct("<QQQ")
+_DESC = struct.Struct("<QqQ")
+
+
+def _owner(view: memoryview) -> Any:
+    """The object exporting ``view``'s memory (through nested memoryviews)."""
+    obj: Any = view
+    while isinstance(obj, memoryview):
+        obj = obj.obj
+    return obj
+
+
+def _memfd(obj: Any) -> tuple[int, int] | None:
+    """(descriptor, offset) of a rankexec blob backed by a memory file, else None."""
+    fd = getattr(obj, "fileno", None)
+    if isinstance(fd, int) and type(obj).__module__.startswith("rankexec"):
+        return fd, int(obj.offset)
+    return None
+
+
+def _as_is(buffer: Any) -> Any:
+    """What a rankexec blob is unpickled as: the buffer the channel received."""
+    return buffer
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles rankexec's blobs (``Blob``, ``HostBlob``) out of band, as buffers: the
+    channel passes their memory files instead of their bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj).__module__.startswith("rankexec") and hasattr(obj, "fileno"):
+            return _as_is, (pickle.PickleBuffer(obj),)
+        return NotImplemented
+
+
 def send(sock: socket.socket, obj: Any) -> None:
+    from rankexec._rankexec import share
+
     buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    head = out.getbuffer()
     raws = [b.raw() for b in buffers]
-    sizes = struct.pack(f"<{len(raws)}Q", *[r.nbytes for r in raws])
-    sock.sendall(struct.pack("<QQ", len(head), len(raws)) + sizes + head)
-    for r in raws:
-        sock.sendall(r)
+    owners = [_owner(r) for r in raws]
+    # Large buffers that are not in a memory file yet go into one, together.
+    copy = [i for i, r in enumerate(raws) if r.nbytes >= SHARE_FROM and _memfd(owners[i]) is None]
+    if copy:
+        for i, blob in zip(copy, share([raws[i] for i in copy]), strict=True):
+            owners[i] = blob
+    fds: list[int] = []
+    descs: list[tuple[int, int, int]] = []
+    for r, owner in zip(raws, owners, strict=True):
+        where = _memfd(owner) if r.nbytes >= SHARE_FROM or _memfd(owner) else None
+        if where is None:
+            descs.append((r.nbytes, -1, 0))
+            continue
+        fd, offset = where
+        if fd not in fds:
+            fds.append(fd)
+        descs.append((r.nbytes, fds.index(fd), offset))
+    if len(fds) > MAX_FDS:
+        raise ChannelError(f"{len(fds)} memory files in one frame, more than {MAX_FDS}")
+    header = (
+        _FIXED.pack(len(head), len(raws), len(fds)) + b"".join(_DESC.pack(*d) for d in descs) + head
+    )
+    view = memoryview(header)
+    if fds:
+        # The descriptors ride on the first bytes; the rest follows as a stream.
+        sent = socket.send_fds(sock, [view], fds)
+        view = view[sent:]
+    if view.nbytes:
+        sock.sendall(view)
+    for r, (_, index, _) in zip(raws, descs, strict=True):
+        if index < 0:
+            sock.sendall(r)
+    del owners  # the memory files stay open until they were sent
+
+
+def _recv_fixed(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The fixed part of a frame and the descriptors that came with it."""
+    msg, fds, flags, _ = socket.recv_fds(
+        sock, _FIXED.size, MAX_FDS + 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    )
+    if flags & getattr(socket, "MSG_CTRUNC", 0):
+        for fd in fds:
+            os.close(fd)
+        raise ChannelError("more memory files than a frame may pass")
+    if not msg:
+        for fd in fds:
+            os.close(fd)
+        raise ChannelError("the peer closed the channel")
+    if len(msg) < _FIXED.size:
+        msg += bytes(_recv_exact(sock, _FIXED.size - len(msg)))
+    return msg, list(fds)
 
 
 def recv(sock: socket.socket) -> Any:
-    n_head, n_bufs = struct.unpack("<QQ", _recv_exact(sock, 16))
-    if n_head > 1 << 32 or n_bufs > 1 << 20:
-        raise ChannelError("malformed frame")
-    sizes = struct.unpack(f"<{n_bufs}Q", _recv_exact(sock, 8 * n_bufs)) if n_bufs else ()
-    head = _recv_exact(sock, n_head)
-    bufs = [_recv_exact(sock, s) for s in sizes]
+    from rankexec._rankexec import Blob
+
+    fixed, fds = _recv_fixed(sock)
+    try:
+        n_head, n_bufs, n_fds = _FIXED.unpack(fixed)
+        if n_head > 1 << 32 or n_bufs > 1 << 20 or n_fds != len(fds):
+            raise ChannelError(
+                f"malformed frame ({n_bufs} buffers, {n_fds} memory files declared, "
+                f"{len(fds)} passed)"
+            )
+        descs = [_DESC.unpack(_recv_exact(sock, _DESC.size)) for _ in range(n_bufs)]
+        head = _recv_exact(sock, n_head)
+        # Each file is mapped once, its buffers are slices of that mapping.
+        parts: dict[int, list[tuple[int, int]]] = {}
+        for size, index, offset in descs:
+            if index >= len(fds):
+                raise ChannelError(f"a buffer names memory file {index} of {len(fds)}")
+            if index >= 0:
+                parts.setdefault(index, []).append((offset, size))
+        if len(parts) != len(fds):
+            raise ChannelError(f"{len(fds) - len(parts)} memory files arrived that no buffer uses")
+        mapped: dict[int, list[Any]] = {}
+        for index, wanted in parts.items():
+            try:
+                mapped[index] = Blob.from_fd_parts(fds[index], wanted)
+            except OSError as e:
+                raise ChannelError(f"a memory file was refused: {e}") from e
+        bufs: list[Any] = []
+        for size, index, _ in descs:
+            bufs.append(_recv_exact(sock, size) if index < 0 else mapped[index].pop(0))
+    finally:
+        for fd in fds:  # the blobs hold their own duplicates
+            os.close(fd)
     return pickle.loads(head, buffers=bufs)
 
 

@@ -112,6 +112,9 @@ class Run:
                 abort_check=lambda: self.abort_reason is not None,
                 poll_s=0.05,
                 abort_reason="the Flower run was stopped",
+                # The message's arrays arrived as memory files (passed on as they are);
+                # anything else this host read is let go once in shared memory.
+                consume=True,
             )
             blobs = {k: v for k, v in res.blobs.items()}
             retries = [dict(r) for r in res.retries]

@@ -29,6 +29,20 @@ impl HostBlob {
         self.blob.is_shared()
     }
 
+    /// The descriptor of its memory file in this process (valid while the blob lives;
+    /// pass it on with `socket.send_fds`), or None for a small inline blob.
+    #[getter]
+    fn fileno(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        self.blob.memfd().map(|fd| fd.as_raw_fd())
+    }
+
+    /// Where its bytes start in its memory file (a multiple of the page size).
+    #[getter]
+    fn offset(&self) -> u64 {
+        self.blob.memfd_offset()
+    }
+
     /// A writable view whose writes stay in this process: a copy-on-write mapping of
     /// the rank's memory file (no copy until a page is written), or a copy of a small
     /// blob. What torch tensors of a result are made from without a copy.

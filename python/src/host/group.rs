@@ -164,10 +164,21 @@ impl HostGroup {
         let _in_flight = InFlight::set(&self.in_flight, signal.clone());
         let meta = crate::value::map_from_py(meta, "meta")?;
         let mut buffers: Vec<(String, PyUntypedBuffer)> = Vec::new();
+        // Blobs already in sealed memory files (`rankexec.Blob`, `HostBlob`) are passed
+        // on as they are: no copy.
+        let mut ready: Vec<(String, rankexec_protocol::Blob)> = Vec::new();
         for (k, v) in blobs.iter() {
             let name: String = k
                 .extract()
                 .map_err(|_| PyValueError::new_err("blob names must be str"))?;
+            if let Ok(b) = v.cast::<crate::rank::blob::Blob>() {
+                ready.push((name, b.get().inner.clone()));
+                continue;
+            }
+            if let Ok(b) = v.cast::<HostBlob>() {
+                ready.push((name, b.get().blob.clone()));
+                continue;
+            }
             let buf = PyUntypedBuffer::get(&v)?;
             if !buf.is_c_contiguous() {
                 return Err(PyBufferError::new_err(format!(
@@ -206,7 +217,8 @@ impl HostGroup {
             // input is not held twice while the task runs (see `execute`'s docs).
             blobs.clear();
         }
-        let (blob_map, staged_size) = staged.map_err(|e| errors::staging_error(py, &e))?;
+        let (mut blob_map, staged_size) = staged.map_err(|e| errors::staging_error(py, &e))?;
+        blob_map.extend(ready);
         let sizes = vec![staged_size];
         let input = Shareable::from_parts(meta, blob_map);
         let mut ctx = self.context(props)?;

@@ -89,6 +89,82 @@ impl Blob {
         self.inner.len()
     }
 
+    /// The descriptor of its memory file in this process (valid while the blob lives;
+    /// pass it on with `socket.send_fds`), or None for a small inline blob.
+    #[getter]
+    fn fileno(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        self.inner.memfd().map(|fd| fd.as_raw_fd())
+    }
+
+    /// Where its bytes start in its memory file (a multiple of the page size).
+    #[getter]
+    fn offset(&self) -> u64 {
+        self.inner.memfd_offset()
+    }
+
+    /// The blob of `length` bytes at `offset` of the memory file `fd` (a descriptor
+    /// received from another process of this user, say with `socket.recv_fds`): the
+    /// file must be sealed against writes, shrinking and growing. `fd` stays the
+    /// caller's (it is duplicated).
+    #[staticmethod]
+    fn from_fd(fd: i32, offset: u64, length: u64) -> PyResult<Blob> {
+        let mut v = Self::from_fd_parts(fd, vec![(offset, length)])?;
+        v.pop()
+            .ok_or_else(|| PyOSError::new_err("no blob made from the memory file"))
+    }
+
+    /// The blobs at each `(offset, length)` of the memory file `fd`, as `from_fd` makes
+    /// one, sharing one duplicate of `fd` and one mapping.
+    #[staticmethod]
+    fn from_fd_parts(fd: i32, parts: Vec<(u64, u64)>) -> PyResult<Vec<Blob>> {
+        use std::os::fd::BorrowedFd;
+        if fd < 0 {
+            return Err(PyOSError::new_err(format!("not a descriptor: {fd}")));
+        }
+        // SAFETY: the borrow lives for one `fcntl(F_DUPFD_CLOEXEC)` only and no memory is
+        // read through it: a number that is not open makes that call fail with EBADF,
+        // and a descriptor that is not a sealed memory file is refused by the seal check
+        // before anything is mapped.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+        let owned = borrowed.try_clone_to_owned()?;
+        let mut end = 0u64;
+        for &(offset, length) in &parts {
+            if offset != rankexec_protocol::page_align(offset) {
+                return Err(PyOSError::new_err(format!(
+                    "memory file {fd}: offset {offset} is not at a page boundary"
+                )));
+            }
+            let e = offset
+                .checked_add(length)
+                .ok_or_else(|| PyOSError::new_err(format!("memory file {fd}: length overflows")))?;
+            end = end.max(e);
+        }
+        let whole = RBlob::from_memfd(owned, 0, end)
+            .map_err(|e| PyOSError::new_err(format!("memory file {fd}: {e}")))?;
+        let (Some(file), bytes) = (whole.memfd().cloned(), whole.bytes().clone()) else {
+            return Ok(parts
+                .iter()
+                .map(|_| Blob {
+                    inner: RBlob::default(),
+                })
+                .collect());
+        };
+        Ok(parts
+            .into_iter()
+            .map(|(offset, length)| {
+                let (start, stop) = (offset as usize, (offset + length) as usize);
+                Blob {
+                    inner: RBlob::from_sealed_memfd_at(
+                        bytes.slice(start..stop),
+                        file.clone(),
+                        offset,
+                    ),
+                }
+            })
+            .collect())
+    }
+
     /// Whether the blob is a shared memory file (mapped, not copied).
     #[getter]
     fn shared(&self) -> bool {
@@ -310,4 +386,36 @@ impl SharedBuffer {
             inner: self.sealed_blob()?,
         })
     }
+}
+
+/// Copies `buffers` (anything with a contiguous buffer) into one sealed memory file,
+/// each at a page-aligned offset, and returns a `Blob` of each: what a process that
+/// is not a rank (Flower's ClientApp) hands to the node's host with `socket.send_fds`,
+/// one descriptor for a whole model.
+#[pyfunction]
+pub fn share(py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Blob>> {
+    use pyo3::buffer::PyBuffer;
+    let bufs: Vec<PyBuffer<u8>> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let view = py
+                .import("rankexec._shareable")?
+                .call_method1("byte_view", (b, format!("buffer {i}")))?;
+            PyBuffer::<u8>::get(&view)
+        })
+        .collect::<PyResult<_>>()?;
+    let lens: Vec<usize> = bufs.iter().map(|b| b.len_bytes()).collect();
+    let mut err = None;
+    let made = RBlob::shared_many(&lens, |dsts| {
+        for (dst, buf) in dsts.iter_mut().zip(&bufs) {
+            if let Err(e) = buf.copy_to_slice(py, dst) {
+                err.get_or_insert(e);
+            }
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e);
+    }
+    Ok(made.into_iter().map(|inner| Blob { inner }).collect())
 }

@@ -12,12 +12,28 @@ import threading
 import weakref
 
 import numpy as np
+import pytest
 import torch
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.shareable import ReturnCode
 
 from .flare_helpers import wait_until
-from .test_client_api import CAP_S, PREAMBLE, groups  # noqa: F401  (fixture)
+from .test_client_api import CAP_S, PREAMBLE, Group
+
+
+@pytest.fixture
+def groups():
+    made: list[Group] = []
+
+    def make(tmp_path, script: str, **kw) -> Group:
+        g = Group(tmp_path, script, **kw)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.group.close()
+
 
 DTYPES = (
     PREAMBLE

@@ -1,0 +1,176 @@
+"""Large models through ``rankexec.flower.ClientApp`` (issue 31, item 5): the message's
+``ArrayRecord`` lands in one memory file once (the ClientApp copies it there and lets
+go of Flower's copy; the host hands that same file to every rank), and rank 0's reply
+reaches the ClientApp as its memory file, mapped, not copied. This process plays
+``flwr-clientapp`` (see test_host.py); the host and the ranks are real.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from rankexec.flower import CLOSE_MESSAGE_TYPE
+
+APP = """
+import os
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from rankexec.flower import ClientApp, ndarrays
+
+app = ClientApp(num_of_processes=2, deadlines={"startup": "120s", "task": "120s"})
+
+
+def _where(address):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return ""
+
+
+@app.train()
+def train(msg, context):
+    arrays = ndarrays(msg.content["arrays"])
+    places = sorted({_where(a.ctypes.data) for a in arrays})
+    files = sorted({os.stat(p).st_ino for p in
+                    (f"/proc/self/map_files/{line.split()[0]}" for line in
+                     open("/proc/self/maps") if "memfd:rankexec-blobs" in line)} or {0})
+    out = ArrayRecord([a + 1 for a in arrays])
+    info = ConfigRecord({"places": places, "n": len(arrays), "rank": int(os.environ["RANK"])})
+    return Message(RecordDict({"arrays": out, "info": info}), reply_to=msg)
+"""
+
+
+@pytest.fixture
+def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    pkg = tmp_path / "app" / "bigapp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "client_app.py").write_text(textwrap.dedent(APP))
+    monkeypatch.syspath_prepend(str(tmp_path / "app"))
+    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
+    monkeypatch.setenv("RANKEXEC_LOG", "warn")
+    import importlib
+
+    mod = importlib.import_module("bigapp.client_app")
+    yield mod.app
+    sys.modules.pop("bigapp.client_app", None)
+    sys.modules.pop("bigapp", None)
+
+
+def _where(address: int) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts[5].strip() if len(parts) > 5 else ""
+    return ""
+
+
+def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(app) -> None:
+    node, run = 7, 51
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run, 0, 1
+    # 200 arrays (a state dict's worth of tensors), 16 MiB, over the 64 descriptors a
+    # frame could carry were each its own file.
+    arrays = [np.full(20_000 + i, i, dtype=np.float32) for i in range(200)]
+    msg = Message(
+        RecordDict({"arrays": ArrayRecord(arrays)}), dst_node_id=node, message_type="train"
+    )
+    ctx = Context(run, node, {"rankexec-lease": 30.0}, RecordDict(), {})
+    try:
+        reply = app(msg, ctx)
+        assert not reply.has_error(), reply.error
+        info = reply.content["info"]
+        print("rank 0 mapped its input from:", info["places"])
+        assert info["n"] == 200 and info["rank"] == 0
+        assert len(info["places"]) == 1 and "memfd:rankexec-blobs" in info["places"][0]
+        # The ClientApp let go of Flower's copy of the message's arrays.
+        assert len(msg.content["arrays"]) == 0
+        back = reply.content["arrays"]
+        assert len(back) == 200
+        for i, (key, arr) in enumerate(back.items()):
+            a = arr.numpy()
+            assert a.dtype == np.float32 and a.shape == (20_000 + i,), key
+            assert a[0] == i + 1 and a[-1] == i + 1, key
+            # Flower's Array.data here is a view of rank 0's memory file.
+            address = np.frombuffer(arr.data, dtype=np.uint8).ctypes.data
+            assert "memfd:rankexec-blobs" in _where(address), (key, _where(address))
+        # A second message on the same group works the same way.
+        msg2 = Message(
+            RecordDict({"arrays": ArrayRecord(arrays[:3])}), dst_node_id=node, message_type="train"
+        )
+        reply2 = app(msg2, ctx)
+        assert not reply2.has_error(), reply2.error
+        assert reply2.content["info"]["n"] == 3
+    finally:
+        close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+        app(close, ctx)
+
+
+def _frame(head: bytes, descs: list[tuple[int, int, int]], n_fds: int) -> bytes:
+    import struct
+
+    return (
+        struct.pack("<QQQ", len(head), len(descs), n_fds)
+        + b"".join(struct.pack("<QqQ", *d) for d in descs)
+        + head
+    )
+
+
+def test_the_channel_refuses_bad_memory_files_naming_why() -> None:
+    import os
+    import pickle
+    import socket
+
+    from rankexec.flower import _channel
+
+    head = pickle.dumps(
+        [pickle.PickleBuffer(b"x" * 10)], protocol=5, buffer_callback=lambda b: None
+    )
+    # A memory file that is not sealed: its sender could change it under the ranks.
+    fd = os.memfd_create("unsealed")
+    os.ftruncate(fd, 4096)
+    a, b = socket.socketpair()
+    with a, b:
+        socket.send_fds(a, [_frame(head, [(10, 0, 0)], 1)], [fd])
+        with pytest.raises(_channel.ChannelError, match="a memory file was refused: .*not sealed"):
+            _channel.recv(b)
+    # A frame whose descriptor count is not what came with it.
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(_frame(head, [(10, 0, 0)], 1))
+        with pytest.raises(_channel.ChannelError, match="malformed frame"):
+            _channel.recv(b)
+    # A buffer naming a descriptor that is not there.
+    a, b = socket.socketpair()
+    with a, b:
+        socket.send_fds(a, [_frame(head, [(10, 3, 0)], 1)], [fd])
+        with pytest.raises(_channel.ChannelError, match="names memory file 3 of 1"):
+            _channel.recv(b)
+    os.close(fd)
+    # Nothing of it stays open here: every received descriptor was closed.
+    memfds = [e for e in os.listdir("/proc/self/fd") if _fd_target(e).startswith("/memfd:unsealed")]
+    assert memfds == []
+
+
+def _fd_target(entry: str) -> str:
+    import os
+
+    try:
+        return os.readlink(f"/proc/self/fd/{entry}")
+    except OSError:
+        return ""
