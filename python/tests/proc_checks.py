@@ -5,7 +5,11 @@ with a conftest.py of its own imports the same functions."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -40,3 +44,25 @@ def wait_until(cond, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+@contextmanager
+def owned(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Owns a child a test started (a host, a simulator, a launcher): on any exit of
+    the `with` block, an exception included, a child still running is SIGKILLed (its
+    whole process group when it leads one, as `start_new_session=True` makes it) and
+    reaped. Its ranks then leave on their own (their connections close); the suite's
+    leak check (scripts/leak-check.sh) names any that does not."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            try:
+                # Our own unreaped child: its pid (and the group it leads) is still its.
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=60)

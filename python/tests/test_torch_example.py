@@ -11,6 +11,7 @@ import subprocess
 import time
 
 from conftest import BIN, REPO, env_with_python, pid_alive, pids_with_env
+from proc_checks import owned
 
 
 def _ppid(pid: int) -> int | None:
@@ -35,13 +36,14 @@ def test_torch_digits_with_dataloader_workers_trains_and_leaves_nothing(tmp_path
     # they inherit the rank's environment, which names the job's log directory).
     seen: dict[int, int | None] = {}  # pid -> parent pid, read while it ran
     deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        for pid in pids_with_env(str(ws)):
-            seen.setdefault(pid, _ppid(pid))
-        time.sleep(0.1)
-    if proc.poll() is None:
-        proc.kill()
-    out, err = proc.communicate(timeout=60)
+    with owned(proc):
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in pids_with_env(str(ws)):
+                seen.setdefault(pid, _ppid(pid))
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate(timeout=60)
     lines = [line for line in out.splitlines() if line.startswith(("round", "final"))]
     print("torch_digits:", *lines, sep="\n  ")
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
