@@ -31,11 +31,15 @@ Identity (every Fleet request is signed by a key the SuperLink knows):
   online, never sampled and never sent a message, and it is unregistered when the host
   ends (``flwr supernode list`` shows it as ``registered``, then ``unregistered``).
 
+Under the Simulation Engine there is no SuperNode: the host started by a Ray actor
+finds the ``flwr-simulation`` process among the actor's ancestors and asks the
+SuperLink at its ``--runtime-api-address`` (in flwr 1.42 one HTTP port serves the
+Runtime and Fleet APIs), with a probe identity; the actor's end also ends the host.
+
 Caveats: a SuperLink that cannot be reached, or that does not know the run (a restarted
-SuperLink without a database), answers nothing: the run is left to its lease. Under the
-Simulation Engine there is no SuperNode to read and no check (the Ray actor's end ends
-the host). A SuperLink with node authentication and a host without the node's key
-cannot check (logged once).
+SuperLink without a database), answers nothing: the run is left to its lease (or, under
+the Simulation Engine, to the actors' end). A SuperLink with node authentication and a
+host without the node's key cannot check (logged once).
 """
 
 from __future__ import annotations
@@ -85,6 +89,25 @@ def _flag(argv: list[str], name: str) -> str | None:
     return None
 
 
+def _simulation_argv(pid: int) -> list[str]:
+    """The command line of the ``flwr-simulation`` process among ``pid``'s ancestors
+    (a Ray actor's: raylet, then the simulation process that started Ray), or []."""
+    for _ in range(16):
+        if pid <= 1:
+            return []
+        argv = _argv(pid)
+        named = any(os.path.basename(a) == "flwr-simulation" for a in argv[:2])
+        if named and "--runtime-api-address" in argv:
+            return argv
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return []
+        ppid = [ln for ln in status.splitlines() if ln.startswith("PPid:")]
+        pid = int(ppid[0].split()[1]) if ppid else 0
+    return []
+
+
 def settings(
     supernode_pid: int | None,
     site: Mapping[str, Any],
@@ -99,6 +122,18 @@ def settings(
     is_supernode = any(os.path.basename(a) == "flower-supernode" for a in argv[:2])
     if not is_supernode:
         argv = []
+        sim = _simulation_argv(supernode_pid) if supernode_pid is not None else []
+        link = superlink or site.get("superlink") or _flag(sim, "--runtime-api-address")
+        if link:
+            # The Simulation Engine: the SuperLink's one HTTP port serves the Runtime API
+            # the simulation process uses and the Fleet API (a probe identity asks).
+            root = root_certificates or _flag(sim, "--root-certificates")
+            return Fleet(
+                superlink=str(link),
+                insecure=not root and ("--insecure" in sim or not sim),
+                root_certificates=str(root) if root else None,
+                node_key=node_key,
+            )
     cwd = Path("/")
     if is_supernode:
         with contextlib.suppress(OSError):

@@ -64,6 +64,7 @@ class Deployment:
         env: dict[str, str] | None = None,
         *,
         simulation_nodes: int = 0,
+        simulation_cpus: float | None = None,
         tls: bool = False,
         node_auth: bool = False,
     ) -> None:
@@ -83,6 +84,9 @@ class Deployment:
         self.node_configs = node_configs
         # > 0: the Simulation Engine (Ray) with that many virtual SuperNodes instead.
         self.simulation_nodes = simulation_nodes
+        # The CPUs Ray gives each virtual node's actor (Flower's default: 2), so how many
+        # actors serve the virtual nodes at once.
+        self.simulation_cpus = simulation_cpus
         self.port = 0
         self.superlink: subprocess.Popen[bytes] | None = None
         self.supernodes: list[subprocess.Popen[bytes]] = []
@@ -139,6 +143,8 @@ class Deployment:
         )
         if self.simulation_nodes:
             config += f"\n[superlink.dep.options]\nnum-supernodes = {self.simulation_nodes}\n"
+            if self.simulation_cpus is not None:
+                config += f"backend.client-resources.num-cpus = {self.simulation_cpus}\n"
         (self.home / "config.toml").write_text(config)
         deadline = time.monotonic() + timeout
         if self.node_keys:

@@ -6,6 +6,8 @@ in test_production.py. Seconds."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,6 +65,34 @@ def test_settings_come_from_the_supernodes_own_command_line(supernode, tmp_path:
         "/etc/ca.pem",
         "/etc/node.key",
     )
+
+
+def test_under_the_simulation_engine_the_simulation_process_names_the_superlink(
+    tmp_path: Path,
+) -> None:
+    """A Ray actor's ancestors include ``flwr-simulation`` (raylet's parent): its
+    ``--runtime-api-address`` is the SuperLink's port."""
+    code = (
+        "import subprocess, sys, time;"
+        " c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+        " print(c.pid, flush=True); time.sleep(120)"
+    )
+    argv = ["flwr-simulation", "-c", code, "--runtime-api-address", "127.0.0.1:9091"]
+    p = subprocess.Popen(
+        [*argv, "--token", "t", "--insecure"],
+        executable=sys.executable,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None
+        actor = int(p.stdout.readline())
+        fleet = _runcheck.settings(actor, {})
+        assert fleet == _runcheck.Fleet("127.0.0.1:9091", True, None, None)
+        os.kill(actor, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait(30)
 
 
 def test_no_supernode_and_no_address_means_no_check() -> None:
