@@ -178,7 +178,6 @@ class Sampler(threading.Thread):
         self.root, self.interval, self.min_avail, self.shmem0 = root, interval, min_avail, shmem0
         self.samples: list[dict] = []
         self.kinds: dict[int, str] = {}
-        self.oom_guard = False
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -214,11 +213,24 @@ class Sampler(threading.Thread):
                     "avail": mem.get("MemAvailable", 0),
                 }
             )
-            if mem.get("MemAvailable", 1 << 62) < self.min_avail:
-                self.oom_guard = True
+            self.stopped.wait(self.interval)
+
+
+class Guard(threading.Thread):
+    """Kills the run (its own processes, by pid) when MemAvailable drops under
+    `min_avail`; checked every 0.1 s, apart from the slower sampling."""
+
+    def __init__(self, root: int, min_avail: int, stopped: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.root, self.min_avail, self.stopped = root, min_avail, stopped
+        self.tripped = False
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.1):
+            if meminfo().get("MemAvailable", 1 << 62) < self.min_avail:
+                self.tripped = True
                 kill_tree(self.root)
                 return
-            self.stopped.wait(self.interval)
 
 
 def kill_tree(root: int) -> None:
@@ -384,6 +396,8 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         )
         sampler = Sampler(proc.pid, args.interval, int(args.min_avail * GIB), shmem0)
         sampler.start()
+        guard = Guard(proc.pid, int(args.min_avail * GIB), sampler.stopped)
+        guard.start()
         try:
             rc = proc.wait(timeout=args.cap)
         except subprocess.TimeoutExpired:
@@ -391,6 +405,7 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         finally:
             sampler.stopped.set()
             sampler.join(timeout=30)
+            guard.join(timeout=30)
             kill_tree(proc.pid)
             proc.wait()
     wall = time.monotonic() - t0
@@ -417,7 +432,7 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         "rounds": args.rounds,
         "share": args.share,
         "rc": rc,
-        "oom_guard": sampler.oom_guard,
+        "oom_guard": guard.tripped,
         "wall_s": round(wall, 2),
         "round_s": [round(r, 2) for r in rounds],
         "round_after_first_mean_s": round(sum(rounds[1:]) / len(rounds[1:]), 2)
@@ -533,7 +548,7 @@ def main() -> int:
     p.add_argument("--share", choices=("wait", "broadcast", "all"), default="wait")
     p.add_argument("--impl", default="flare,rankexec", help="which sides, in order")
     p.add_argument("--interval", type=float, default=0.5, help="sampling period, s")
-    p.add_argument("--min-avail", type=float, default=1.5, help="GiB; below it the run is killed")
+    p.add_argument("--min-avail", type=float, default=2.0, help="GiB; below it the run is killed")
     p.add_argument("--cap", type=float, default=1800, help="seconds per run")
     p.add_argument("--label", default="", help="stored with each record (e.g. before, after)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
