@@ -33,7 +33,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-from rankexec.flower import host_status
+from rankexec.flower import _runcheck, host_status
 from rankexec.flower.deployment import Deployment
 
 from .helpers import pid_alive, pids_with_env, wait_until
@@ -140,9 +140,8 @@ def test_trains_keeps_ranks_and_flwr_stop_ends_them(dep: Deployment) -> None:
         f" the command started, {time.monotonic() - t_returned:.1f}s after it returned"
         f"{f' (SuperNode {down} SIGSTOPped)' if down else ''}"
     )
-    for n in nodes:
-        st = _status(dep, n)
-        assert st is not None and st["pids"] == []
+    for n in nodes:  # the host has closed the group (its ranks may be gone first)
+        wait_until(lambda n=n: (_status(dep, n) or {}).get("pids") == [], 30, "group closed")
     logs = " ".join((dep.root / "rx" / f"node-{n}" / "host.log").read_text() for n in nodes)
     assert "is finished" in logs
     if shape == "tls":
@@ -151,3 +150,10 @@ def test_trains_keeps_ranks_and_flwr_stop_ends_them(dep: Deployment) -> None:
         assert "registered probe node" not in logs, "node auth: the node's own key"
     if down is not None:
         os.kill(down, signal.SIGCONT)
+        # Without the node's key a host cannot ask a SuperLink with node authentication
+        # (it refuses the probe's registration): no answer, said once, naming the key.
+        said: list[str] = []
+        assert dep.tls is not None
+        keyless = _runcheck.Fleet(f"127.0.0.1:{dep.port}", False, str(dep.tls.ca_cert), None)
+        assert _runcheck.RunCheck(keyless, 0, said.append).finished(run) is None
+        assert len(said) == 1 and "needs the node's key" in said[0], said
