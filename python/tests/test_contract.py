@@ -3,7 +3,7 @@ properties and events from a Python rank."""
 
 from __future__ import annotations
 
-from conftest import COMPONENTS, executor_config
+from conftest import COMPONENTS, executor_config, wait_until
 
 
 def _script_host(host, tmp_path, n=2, engine=False):
@@ -17,8 +17,11 @@ def test_second_reply_is_refused_and_the_first_counts(host, tmp_path):
     _script_host(host, tmp_path)
     r = host.send(op="task", task="twice")
     assert r["ok"] and r["meta"] == {"n": 1}, r
-    log = (tmp_path / "rank-0" / "stdout.log").read_text()
-    assert "second reply refused: this task was already answered" in log
+    # The rank prints the refusal after its first reply reached the host, and its
+    # output reaches the log through the host's pump: wait for it (bounded).
+    log = tmp_path / "rank-0" / "stdout.log"
+    said = "second reply refused: this task was already answered"
+    wait_until(lambda: log.exists() and said in log.read_text(), 30, "the refusal in the log")
 
 
 def test_unsendable_output_fails_the_task_with_why(host, tmp_path):

@@ -102,6 +102,15 @@ def test_ctrl_c_in_a_blocking_call_raises_keyboard_interrupt(host, tmp_path):
     assert not r["ok"] and "KeyboardInterrupt" in r["error"], r
 
 
+def _main_thread_sleeps(pid: int) -> bool:
+    """Whether `pid`'s main thread is asleep (blocked in a call), per /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "S"
+    except (OSError, IndexError):
+        return False
+
+
 def test_ctrl_c_in_receive_raises_keyboard_interrupt_in_a_script(host, tmp_path):
     cfg = executor_config(
         "script", 1, log_dir=tmp_path, program=[str(COMPONENTS / "script_interrupt.py")]
@@ -109,7 +118,16 @@ def test_ctrl_c_in_receive_raises_keyboard_interrupt_in_a_script(host, tmp_path)
     cfg["env"] = {"set": {"OUT_DIR": str(tmp_path)}}
     assert host.start(cfg)["ok"]
     pid = host.send(op="task", task="t")["meta"]["pid"]
-    os.kill(pid, signal.SIGINT)  # the script now waits in receive()
+    # The reply reaches the host before the script is back in receive(): a Ctrl-C
+    # then would interrupt reply() (seen once in 2 idle runs of scripts/flake-check.sh).
+    # Wait until it waits for the next task.
+    waiting = tmp_path / "waiting-0"
+    wait_until(
+        lambda: waiting.exists() and waiting.read_text() == "1" and _main_thread_sleeps(pid),
+        30,
+        "the script in receive() after its first task",
+    )
+    os.kill(pid, signal.SIGINT)
     wait_until(lambda: (tmp_path / "interrupted-0").exists(), 10, "KeyboardInterrupt noted")
     wait_until(lambda: not pid_alive(pid), 10, "the script exited")
 

@@ -7,8 +7,13 @@ import rankexec
 
 rank = rankexec.init()
 out = pathlib.Path(os.environ["OUT_DIR"])
+answered = 0
 while True:
     try:
+        # The test signals once this file says how many tasks were answered and the
+        # main thread sleeps: inside receive() (a signal between the two is caught here
+        # too, never in reply()).
+        (out / f"waiting-{rank.rank}").write_text(str(answered))
         task = rank.receive()
     except KeyboardInterrupt:
         (out / f"interrupted-{rank.rank}").write_text("KeyboardInterrupt in receive()")
@@ -16,3 +21,4 @@ while True:
     if task is None:
         break
     task.reply(meta={"pid": os.getpid()})
+    answered += 1
