@@ -1,18 +1,18 @@
 """rankexec.flower under Flower's real Deployment Engine (flwr 1.42), offline.
 
 One SuperLink and two SuperNodes (``--insecure``, a private ``FLWR_HOME``, free ports,
-telemetry and update checks off) serve six runs of ``examples/flower/ddp-digits``
+telemetry and update checks off) serve five runs of ``examples/flower/ddp-digits``
 (two DDP ranks per node, gloo, FedAvg):
 
 1. the example: held-out accuracy >= 0.95, every node's ranks the same pids in every
-   round, every group closed by the ServerApp's ``close_groups`` at the end;
+   round, every group closed by the ServerApp's ``close_groups`` at the end; meanwhile
+   a second run with slow rounds shares both nodes (one group per run on each node)
+   and its ``flwr stop`` ends its groups only;
 2. a rank that raises: the node answers with Flower's ``Error`` naming the rank and
    the exception, the next round runs on a relaunched group;
 3. rank 1 of one node SIGKILLed mid-round: ``restart.retry_task`` runs the node's
    message again on a relaunched group, and the round aggregates both nodes;
-4. two runs at once on the same nodes: each keeps its own groups, ``flwr stop`` of
-   one ends its groups only, the other completes on the same ranks;
-5. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
+4. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
    run mid-round (the other node's task is aborted and its group closes).
 
 Every Flower process is stopped by pid afterwards, and no process that carries the
@@ -73,9 +73,36 @@ def _result(path: Path) -> dict:
 
 
 def test_ddp_digits_keeps_its_ranks_across_rounds(dep: Deployment) -> None:
+    """The example, while another run (A, slow rounds) shares both SuperNodes: each node
+    keeps one group per run; ``flwr stop`` of A mid-round ends A's groups only (A is
+    forgotten by both hosts, its rank logs with it), and the example completes on the
+    same ranks in every round."""
     out = dep.root / "result-1.json"
     t0 = time.monotonic()
+    run_a = dep.submit(APP, {"num-server-rounds": 2, "slow-s": 120.0})
     run = dep.submit(APP, {"result-file": str(out), "num-server-rounds": 3})
+    nodes: list[int] = []
+
+    def a_busy() -> bool:
+        nodes[:] = _nodes(dep)
+        st = [host_status_in(dep, n) for n in nodes]
+        return len(st) == 2 and all(
+            s is not None and run_a in s["runs"] and s["runs"][run_a]["busy"] for s in st
+        )
+
+    wait_until(a_busy, 240, "both nodes' groups of run A busy with the slow round")
+    a_ranks = [p for n in nodes for p in host_status_in(dep, n)["runs"][run_a]["pids"]]
+    t = time.monotonic()
+    stopped = dep.stop_run(run_a)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    wait_until(lambda: not any(pid_alive(p) for p in a_ranks), 60, "run A's ranks gone")
+    wait_until(
+        lambda: all(run_a not in host_status_in(dep, n)["runs"] for n in nodes),
+        60,
+        "run A forgotten by both hosts",
+    )
+    assert not any((dep.root / "rx" / f"node-{n}" / f"run-{run_a}").exists() for n in nodes)
+    print(f"\n[flower] flwr stop {run_a}: its ranks {a_ranks} gone in {time.monotonic() - t:.1f}s")
     status = dep.wait_run(run, 300)
     res = _result(out)
     print(
@@ -91,6 +118,7 @@ def test_ddp_digits_keeps_its_ranks_across_rounds(dep: Deployment) -> None:
     assert per_round[0] == per_round[1] == per_round[2], "the same ranks in every round"
     assert all(res["closed"].values()) and len(res["closed"]) == 2
     pids = [p for pair in per_round[0] for p in pair]
+    assert not set(a_ranks) & set(pids), "run A's ranks never served the example"
     wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "ranks gone after the run")
 
 
@@ -153,51 +181,6 @@ def test_a_killed_rank_costs_a_retry_not_the_round(dep: Deployment) -> None:
     print(f"[flower] {line.strip()}")
     assert f"rank 1 (pid {old[1]})" in line
     wait_until(lambda: not any(pid_alive(p) for p in pids + old), 30, "ranks gone")
-
-
-def test_two_runs_at_once_keep_their_groups_and_flwr_stop_ends_its_own(
-    dep: Deployment,
-) -> None:
-    """Two runs on the same two SuperNodes at once: each node keeps one group per run;
-    ``flwr stop`` of run A (mid-round) ends A's groups only, and run B completes on the
-    same ranks in both its rounds."""
-    out_b = dep.root / "result-concurrent.json"
-    run_a = dep.submit(APP, {"num-server-rounds": 2, "slow-s": 120.0})
-    run_b = dep.submit(APP, {"result-file": str(out_b), "num-server-rounds": 2})
-    nodes: list[int] = []
-
-    def a_busy() -> bool:
-        nodes[:] = _nodes(dep)
-        st = [host_status_in(dep, n) for n in nodes]
-        return len(st) == 2 and all(
-            s is not None and run_a in s["runs"] and s["runs"][run_a]["busy"] for s in st
-        )
-
-    wait_until(a_busy, 240, "both nodes' groups of run A busy with the slow round")
-    a_ranks = [p for n in nodes for p in host_status_in(dep, n)["runs"][run_a]["pids"]]
-    t = time.monotonic()
-    res = dep.stop_run(run_a)
-    assert res.returncode == 0, res.stdout + res.stderr
-    wait_until(lambda: not any(pid_alive(p) for p in a_ranks), 60, "run A's ranks gone")
-    # The stopped run is forgotten on both nodes, its rank logs with it.
-    wait_until(
-        lambda: all(run_a not in host_status_in(dep, n)["runs"] for n in nodes),
-        60,
-        "run A forgotten by both hosts",
-    )
-    assert not any((dep.root / "rx" / f"node-{n}" / f"run-{run_a}").exists() for n in nodes)
-    print(f"\n[flower] flwr stop {run_a}: its ranks {a_ranks} gone in {time.monotonic() - t:.1f}s")
-    status = dep.wait_run(run_b, 600)
-    out = _result(out_b)
-    per_round = [sorted(tuple(r["pids"]) for r in replies) for replies in out["replies"]]
-    print(f"[flower] run {run_b}: {status}, accuracy {out['accuracy']:.4f}, ranks {per_round}")
-    assert status == "finished:completed", dep.last_failure[-4000:]
-    assert out["errors"] == [[], []], out["errors"]
-    assert len(per_round) == 2 and per_round[0] == per_round[1], "run B kept its ranks"
-    b_ranks = [p for pair in per_round[0] for p in pair]
-    assert not set(a_ranks) & set(b_ranks)
-    assert all(out["closed"].values()) and len(out["closed"]) == 2
-    wait_until(lambda: not any(pid_alive(p) for p in b_ranks), 30, "run B's ranks gone")
 
 
 def test_sigkilled_supernode_and_flwr_stop_leave_nothing(dep: Deployment) -> None:
