@@ -1,7 +1,7 @@
 //! Sizes are checked by the sender. An input whose header is over the codec's limit is
 //! the caller's error (`ExecuteError::Input`), not a dead rank; a rank honours the
-//! group's `max_frame` (memory files included) and turns an oversized result into a
-//! clear protocol error for the task, and lives on.
+//! group's `max_frame` (inline bytes: memory files are not counted) and turns an
+//! oversized result into a clear protocol error for the task, and lives on.
 
 mod common;
 
@@ -38,9 +38,8 @@ fn an_oversized_input_header_is_the_callers_error() {
     exec.finalize().unwrap();
 }
 
-fn oversized_result_is_a_clear_error(tcp: bool) {
-    let logs = tempfile::tempdir().unwrap();
-    let mut cfg = config(2, "Echo", serde_json::json!({}), logs.path());
+fn group_with_1mib_frames(tcp: bool, logs: &std::path::Path) -> MultiProcessExecutor {
+    let mut cfg = config(2, "Echo", serde_json::json!({}), logs);
     cfg.max_frame = ByteSize(1 << 20);
     if tcp {
         cfg.transport = TransportConfig::Tcp {
@@ -48,11 +47,17 @@ fn oversized_result_is_a_clear_error(tcp: bool) {
             advertise: None,
         };
     }
-    let exec = MultiProcessExecutor::new(cfg).unwrap();
+    MultiProcessExecutor::new(cfg).unwrap()
+}
+
+#[test]
+fn an_oversized_inline_result_is_refused_by_the_rank() {
+    let logs = tempfile::tempdir().unwrap();
+    let exec = group_with_1mib_frames(true, logs.path());
     let mut ctx = start(&exec);
     let pids = exec.live_pids();
-    // 2 MiB goes to the ranks (their limit on the parent is generous) as a memory file
-    // (local) or inline (TCP); rank 0 echoes it back, over the group's 1 MiB.
+    // 2 MiB goes to the ranks inline (their limit on the parent is generous); rank 0
+    // echoes it back, over the group's 1 MiB.
     let err = exec
         .run_task(
             "t",
@@ -79,19 +84,25 @@ fn oversized_result_is_a_clear_error(tcp: bool) {
         .unwrap();
     assert_eq!(out.blob("m").map(|b| b.len()), Some(1000));
     assert_eq!(exec.live_pids(), pids);
-    eprintln!(
-        "{}: 2 MiB result over max_frame 1 MiB: {text}",
-        if tcp { "tcp" } else { "local" }
-    );
+    eprintln!("tcp: 2 MiB result over max_frame 1 MiB: {text}");
     exec.finalize().unwrap();
 }
 
 #[test]
-fn an_oversized_shared_result_is_refused_by_the_rank() {
-    oversized_result_is_a_clear_error(false);
-}
-
-#[test]
-fn an_oversized_inline_result_is_refused_by_the_rank() {
-    oversized_result_is_a_clear_error(true);
+fn a_shared_result_over_max_frame_comes_back() {
+    // Memory files are not counted against max_frame: their pages exist already, the
+    // parent only maps them. 8 MiB in 40 blobs, with 1 MiB frames.
+    let logs = tempfile::tempdir().unwrap();
+    let exec = group_with_1mib_frames(false, logs.path());
+    let mut ctx = start(&exec);
+    let mut input = Shareable::new();
+    for i in 0..40u8 {
+        input.set_blob(format!("h.{i}.w"), vec![i; 200 << 10]);
+    }
+    let out = exec.run_task("t", input, &mut ctx, &Signal::new()).unwrap();
+    for i in 0..40u8 {
+        let b = out.blob(&format!("h.{i}.w")).unwrap();
+        assert!(b.is_shared() && b.len() == 200 << 10 && b[0] == i && b[b.len() - 1] == i);
+    }
+    exec.finalize().unwrap();
 }

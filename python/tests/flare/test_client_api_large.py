@@ -8,6 +8,7 @@ files not counted against ``max_frame``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
 
@@ -161,3 +162,66 @@ def test_memory_files_do_not_count_against_max_frame(tmp_path, groups):
     got = from_shareable(reply).data
     for k, v in sent.items():
         np.testing.assert_array_equal(got[k], v + 1)
+
+
+def _memory_files(pids: list[int], at_least: int) -> dict[int, list[str]]:
+    """The memory files of at least `at_least` bytes each of `pids` holds open or maps."""
+    held: dict[int, list[str]] = {}
+    for pid in pids:
+        names = []
+        try:
+            entries = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for e in entries:
+            path = f"/proc/{pid}/fd/{e}"
+            try:
+                if os.readlink(path).startswith("/memfd:") and os.stat(path).st_size >= at_least:
+                    names.append(f"fd {e}")
+            except OSError:
+                continue
+        with open(f"/proc/{pid}/maps") as f:
+            names += [
+                line.split()[-2] for line in f if "/memfd:" in line and _span(line) >= at_least
+            ]
+        if names:
+            held[pid] = names
+    return held
+
+
+def _span(line: str) -> int:
+    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    return hi - lo
+
+
+def test_a_large_input_is_let_go_once_rank_0_has_it(tmp_path, groups):
+    # 320 MiB (over the 256 MiB that ranks hold until they answer): once rank 0 has its
+    # own copy, no process of the site holds the memory file it came in, so the script's
+    # result is the model's second copy, not its third.
+    g = groups(tmp_path, DTYPES)
+    (g.marks / "hold").write_text("")
+    arrays = {f"h.{i}.w": np.full(20 << 20, i, dtype=np.float32) for i in range(4)}
+    shareable = DXO(DataKind.WEIGHTS, data=arrays).to_shareable()
+    del arrays
+    replies = []
+
+    def run():
+        from nvflare.apis.fl_context import FLContext
+        from nvflare.apis.signal import Signal
+
+        replies.append(g.executor.execute("train", shareable, FLContext(), Signal()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert wait_until(lambda: (g.marks / "received").exists(), timeout=CAP_S)
+        pids = [os.getpid(), *g.pids]
+        # Rank 0's reader lets go of the file right after its copy: wait for it.
+        assert wait_until(lambda: not _memory_files(pids, 64 << 20), timeout=30), (
+            f"still held: {_memory_files(pids, 64 << 20)}"
+        )
+    finally:
+        (g.marks / "go").write_text("")
+        t.join(CAP_S)
+    assert replies and replies[0].get_return_code(ReturnCode.OK) == ReturnCode.OK
+    assert float(from_shareable(replies[0]).data["h.3.w"][0]) == 4.0

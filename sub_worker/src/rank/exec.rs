@@ -90,14 +90,24 @@ pub(super) fn exec_step(rank: &Rank) -> Step {
     }
 }
 
+/// Inputs up to this size are held until the result is sent (see `run_task`).
+pub(super) const HOLD_INPUT_MAX: u64 = 256 << 20;
+
 pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
     let span = info_span!("task", task = %job.task, task_id = job.task_id);
     let _enter = span.enter();
     let mut ctx = rank.rank_ctx(job.props);
     let started = std::time::Instant::now();
     // The input's (and output's) mappings are released only after the result is sent:
-    // unmapping a large blob is not worth making the parent wait for.
-    let input_blobs: Vec<rankexec_protocol::Blob> = job.input.blobs().values().cloned().collect();
+    // unmapping a large blob is not worth making the parent wait for. Not so for a
+    // large model: its memory file is then the executor's to let go as soon as it is
+    // done with it (a Client API script copies it and builds its result while the file
+    // would still be held: one copy of the model more at the peak).
+    let input_blobs: Vec<rankexec_protocol::Blob> = if job.input.blob_bytes() < HOLD_INPUT_MAX {
+        job.input.blobs().values().cloned().collect()
+    } else {
+        Vec::new()
+    };
     let res = catch_unwind(AssertUnwindSafe(|| {
         executor.execute(&job.task, job.input, &mut ctx, &job.signal)
     }));

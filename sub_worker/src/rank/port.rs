@@ -125,7 +125,13 @@ impl ExecPort {
         }
         match exec_step(&self.rank) {
             Step::Run(job) => {
-                let input_blobs = job.input.blobs().values().cloned().collect();
+                // Held until the result is sent, as a Rust rank's are, but for a large
+                // model (see `exec::run_task`).
+                let input_blobs = if job.input.blob_bytes() < super::exec::HOLD_INPUT_MAX {
+                    job.input.blobs().values().cloned().collect()
+                } else {
+                    Vec::new()
+                };
                 PortStep::Task(PortTask {
                     ctx: self.rank.rank_ctx(job.props),
                     task: job.task,
