@@ -251,6 +251,43 @@ def _from_spec(
     return out.copy() if copy else out
 
 
+def _view_of(region: np.ndarray, spec: Mapping[str, Any], name: str) -> Any:
+    """An array or tensor of ``spec`` viewing ``region`` (writable bytes), no copy."""
+    try:
+        shape = tuple(int(d) for d in spec["shape"])
+        dtype_name = spec["dtype"]
+    except (KeyError, TypeError, ValueError):
+        raise Unsendable(
+            name, f"the blob's spec {dict(spec)!r} has no valid dtype and shape"
+        ) from None
+    count = int(np.prod(shape, dtype=np.int64))
+    if spec.get("framework") == "torch":
+        import torch
+
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise Unsendable(name, f"unknown torch dtype {dtype_name!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if region.size != count * itemsize:
+            raise Unsendable(
+                name,
+                f"the blob holds {region.size} bytes, {dtype_name} of shape {list(shape)} needs {count * itemsize}",
+            )
+        if region.size == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(region).view(dtype).reshape(shape)
+    try:
+        dtype = np.dtype(dtype_name)
+    except TypeError:
+        raise Unsendable(name, f"unknown numpy dtype {dtype_name!r}") from None
+    if region.size != count * dtype.itemsize:
+        raise Unsendable(
+            name,
+            f"the blob holds {region.size} bytes, {dtype} of shape {list(shape)} needs {count * dtype.itemsize}",
+        )
+    return region.view(dtype).reshape(shape)
+
+
 def unpack_data(
     meta: Mapping[str, Any],
     blobs: Mapping[str, Any],
@@ -324,12 +361,14 @@ def unpack_flat(
     *,
     writable: bool,
     copy: bool = False,
+    own: bool = False,
 ) -> dict[str, Any]:
     """The data ``pack_flat`` packed. In a rank (``writable``) arrays and tensors are
     copy-on-write mappings of the blobs' shared memory (no copy; writes stay in the
     rank), or, with ``copy``, the rank's own copies (so that the shared memory can be
     let go at once); on the host arrays are read-only views and tensors copy-on-write
-    mappings where the blob offers one, else copies."""
+    mappings where the blob offers one, else copies. With ``own`` the blobs are writable
+    buffers the caller owns (numpy arrays): arrays and tensors are views of them."""
     out: dict[str, Any] = {}
     for name, spec in (specs or {}).items():
         blob = blobs.get(name)
@@ -337,7 +376,9 @@ def unpack_flat(
             raise Unsendable(name, "it has a spec but no blob")
         if not isinstance(spec, Mapping):
             raise Unsendable(name, f"its spec {spec!r} is not a dict")
-        out[name] = _from_spec(blob, spec, name, copy, writable)
+        out[name] = (
+            _view_of(blob, spec, name) if own else _from_spec(blob, spec, name, copy, writable)
+        )
     out.update(values or {})
     return out
 

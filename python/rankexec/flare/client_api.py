@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import copy
 import json
+import mmap
 import os
 import queue
 import sys
 from typing import Any
 
+import numpy as np
 from nvflare.apis.analytix import AnalyticsDataType
 from nvflare.apis.fl_constant import FLMetaKey
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
@@ -53,8 +55,9 @@ from nvflare.client.in_process.api import InProcessClientAPI
 from nvflare.fuel.data_event.data_bus import DataBus
 
 from rankexec import TaskAborted
+from rankexec._rankexec import SharedBuffer
 from rankexec.flare._script_rank import ScriptEnded, TaskFeed
-from rankexec.flare.arrays import pack_flat, plain, unpack_flat
+from rankexec.flare.arrays import Unsendable, pack_flat, plain, unpack_flat
 
 __all__ = ["LOG_EVENT", "TESTED_FLARE", "RankClientAPI", "ScriptEnded", "install"]
 
@@ -64,6 +67,9 @@ TESTED_FLARE = ("2.9.0",)
 LOG_EVENT = "rankexec.flare.client_api.log"
 #: Task meta key holding the FLModel fields (host to rank and back).
 MODEL_KEY = "flare_model"
+_PAGE = mmap.PAGESIZE
+#: Rank 0's received params go to a memory file of their own from this size on.
+_OWN_FILE_FROM = 1 << 20
 
 
 def install(config: dict[str, Any], feed: TaskFeed) -> RankClientAPI:
@@ -100,6 +106,8 @@ class RankClientAPI(InProcessClientAPI):
         self.receive_called = False
         self._params_conversion_state: dict[str, Any] = {}
         self._fresh = False  # a model fetched by is_running(), not yet taken by receive()
+        # Rank 0's received params in a memory file of its own: (buffer, address, size).
+        self._arena: tuple[Any, int, int] | None = None
 
     # The state shared with the feed's receiver thread.
     @property
@@ -201,16 +209,12 @@ class RankClientAPI(InProcessClientAPI):
             # weights in place and sends them back holds the model once, plus its
             # result. With ``all_ranks_receive`` every rank maps the same pages
             # copy-on-write instead: N ranks hold the received model once between them.
-            own = not self._all_ranks
-            params = unpack_flat(
-                task.blobs,
-                fl.get("param_specs"),
-                fl.get("param_values"),
-                writable=True,
-                copy=own,
-            )
-            if own:
-                task.blobs.clear()
+            if self._all_ranks:
+                params = unpack_flat(
+                    task.blobs, fl.get("param_specs"), fl.get("param_values"), writable=True
+                )
+            else:
+                params = self._own_params(task, fl.get("param_specs"), fl.get("param_values"))
             params = convert_params(
                 params,
                 self._exchange.get(ConfigKey.SERVER_EXPECTED_FORMAT, ExchangeFormat.NUMPY),
@@ -227,6 +231,59 @@ class RankClientAPI(InProcessClientAPI):
             total_rounds=fl.get("total_rounds"),
             meta=dict(fl.get("meta") or {}),
         )
+
+    def _own_params(self, task: Any, specs: Any, values: Any) -> dict[str, Any]:
+        """Rank 0's params as its own copy, in a memory file of its own (``_arena``),
+        and the input's memory file let go at once. A script that updates these
+        tensors in place and sends them back sends that file as it is: ``_reply``
+        seals it (the script's views stay valid; later writes stay private) instead of
+        copying the model again."""
+        self._arena = None
+        blobs = task.blobs
+        arrays = dict(specs or {})
+        missing = [n for n in arrays if n not in blobs]
+        if missing:
+            raise Unsendable(missing[0], "it has a spec but no blob")
+        offsets: dict[str, int] = {}
+        total = 0
+        for name in arrays:
+            total = -(-total // _PAGE) * _PAGE
+            offsets[name] = total
+            total += len(blobs[name])
+        if total < _OWN_FILE_FROM:
+            small = unpack_flat(blobs, specs, values, writable=True, copy=True)
+            blobs.clear()
+            return small
+        buf = SharedBuffer(total)
+        whole = np.frombuffer(memoryview(buf), dtype=np.uint8)
+        out: dict[str, Any] = {}
+        for name, spec in arrays.items():
+            at, size = offsets[name], len(blobs[name])
+            region = whole[at : at + size]
+            region[:] = np.frombuffer(blobs[name], dtype=np.uint8)
+            out[name] = unpack_flat({name: region}, {name: spec}, writable=True, own=True)[name]
+        out.update(values or {})
+        blobs.clear()  # the input's memory file goes (the runtime holds large ones no more)
+        self._arena = (buf, buf.address, total)
+        return out
+
+    def _sent_from_arena(self, blobs: dict[str, Any]) -> None:
+        """Replaces each blob that is a page-aligned region of rank 0's own params file
+        by a slice of that file, sealed: sent without a copy."""
+        arena, self._arena = self._arena, None
+        if arena is None:
+            return
+        buf, base, length = arena
+        sealed = None
+        for name, raw in blobs.items():
+            if not isinstance(raw, np.ndarray) or raw.nbytes < _OWN_FILE_FROM // 16:
+                continue
+            at = raw.ctypes.data - base
+            if at < 0 or at + raw.nbytes > length or at % _PAGE:
+                continue
+            if sealed is None:
+                sealed = buf.seal()
+            blobs[name] = sealed.slice(at, raw.nbytes)
 
     def is_running(self) -> bool:
         if not self._receives() or self._closed:
@@ -258,9 +315,16 @@ class RankClientAPI(InProcessClientAPI):
         if not self._is_control():
             self._answer_unsent()  # only rank 0's result counts, as in FLARE
         else:
-            if clear_cache and self.fl_model is not None and self.fl_model is not model:
+            diff = self._exchange.get(ConfigKey.TRANSFER_TYPE) == TransferType.DIFF
+            if (
+                clear_cache
+                and not diff
+                and self.fl_model is not None
+                and self.fl_model is not model
+            ):
                 # The received params go before the result is copied into shared
-                # memory (the script's own references keep what it still uses).
+                # memory (the script's own references keep what it still uses); a DIFF
+                # is taken against them, so they stay for it.
                 self.fl_model.params = None
             self._reply(task, model)
         if clear_cache:
@@ -285,6 +349,7 @@ class RankClientAPI(InProcessClientAPI):
             self._params_conversion_state,
         )
         blobs, specs, values = pack_flat(wire.params, "FLModel.params")
+        self._sent_from_arena(blobs)
         params_type = wire.params_type
         fl = {
             "has_params": wire.params is not None,

@@ -33,7 +33,7 @@ use crate::os::StagedFile as Prepared;
 const PER_SIZE: usize = 1;
 
 /// The largest input prepared ahead (see the module docs).
-pub(crate) const PREPARE_MAX: usize = 256 << 20;
+pub(crate) const PREPARE_MAX: usize = 64 << 20;
 
 /// The pool of prepared files, and the threshold above which blobs are staged.
 pub(crate) struct Stager {

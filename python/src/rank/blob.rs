@@ -15,7 +15,7 @@ use std::ffi::c_int;
 use std::os::fd::AsFd;
 use std::sync::{Mutex, PoisonError};
 
-use pyo3::exceptions::PyOSError;
+use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -87,6 +87,34 @@ impl Blob {
     #[getter]
     fn nbytes(&self) -> usize {
         self.inner.len()
+    }
+
+    /// The `length` bytes at `offset` (a multiple of the page size) of this blob, as a
+    /// blob of the same memory file: no copy, and it is passed on as that file.
+    fn slice(&self, offset: usize, length: usize) -> PyResult<Blob> {
+        let end = offset
+            .checked_add(length)
+            .filter(|&e| e <= self.inner.len())
+            .ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "{length} bytes at {offset} are outside a blob of {} bytes",
+                    self.inner.len()
+                ))
+            })?;
+        let bytes = self.inner.bytes().slice(offset..end);
+        let inner = match self.inner.memfd() {
+            Some(fd) => {
+                let at = self.inner.memfd_offset() + offset as u64;
+                if at != rankexec_protocol::page_align(at) {
+                    return Err(PyValueError::new_err(format!(
+                        "offset {offset} is not at a page boundary of the memory file"
+                    )));
+                }
+                RBlob::from_sealed_memfd_at(bytes, fd.clone(), at)
+            }
+            None => RBlob::new(bytes),
+        };
+        Ok(Blob { inner })
     }
 
     /// The descriptor of its memory file in this process (valid while the blob lives;

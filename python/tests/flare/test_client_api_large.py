@@ -164,8 +164,9 @@ def test_memory_files_do_not_count_against_max_frame(tmp_path, groups):
         np.testing.assert_array_equal(got[k], v + 1)
 
 
-def _memory_files(pids: list[int], at_least: int) -> dict[int, list[str]]:
-    """The memory files of at least `at_least` bytes each of `pids` holds open or maps."""
+def _memory_files(pids: list[int], at_least: int, name: str) -> dict[int, list[str]]:
+    """The memory files `name*` of at least `at_least` bytes each of `pids` holds open
+    or maps."""
     held: dict[int, list[str]] = {}
     for pid in pids:
         names = []
@@ -176,13 +177,18 @@ def _memory_files(pids: list[int], at_least: int) -> dict[int, list[str]]:
         for e in entries:
             path = f"/proc/{pid}/fd/{e}"
             try:
-                if os.readlink(path).startswith("/memfd:") and os.stat(path).st_size >= at_least:
+                if (
+                    os.readlink(path).startswith(f"/memfd:{name}")
+                    and os.stat(path).st_size >= at_least
+                ):
                     names.append(f"fd {e}")
             except OSError:
                 continue
         with open(f"/proc/{pid}/maps") as f:
             names += [
-                line.split()[-2] for line in f if "/memfd:" in line and _span(line) >= at_least
+                line.split()[5]
+                for line in f
+                if f"/memfd:{name}" in line and _span(line) >= at_least
             ]
         if names:
             held[pid] = names
@@ -195,7 +201,7 @@ def _span(line: str) -> int:
 
 
 def test_a_large_input_is_let_go_once_rank_0_has_it(tmp_path, groups):
-    # 320 MiB (over the 256 MiB that ranks hold until they answer): once rank 0 has its
+    # 320 MiB (over the 64 MiB that ranks hold until they answer): once rank 0 has its
     # own copy, no process of the site holds the memory file it came in, so the script's
     # result is the model's second copy, not its third.
     g = groups(tmp_path, DTYPES)
@@ -216,12 +222,48 @@ def test_a_large_input_is_let_go_once_rank_0_has_it(tmp_path, groups):
     try:
         assert wait_until(lambda: (g.marks / "received").exists(), timeout=CAP_S)
         pids = [os.getpid(), *g.pids]
-        # Rank 0's reader lets go of the file right after its copy: wait for it.
-        assert wait_until(lambda: not _memory_files(pids, 64 << 20), timeout=30), (
-            f"still held: {_memory_files(pids, 64 << 20)}"
+        # The host's memory file (rankexec-staged): rank 0 lets go of it right after
+        # its copy (into a file of its own, rankexec-py-blob); wait for that.
+        assert wait_until(lambda: not _memory_files(pids, 64 << 20, "rankexec-staged"), 30), (
+            f"still held: {_memory_files(pids, 64 << 20, 'rankexec-staged')}"
         )
+        assert _memory_files([g.pids[0]], 300 << 20, "rankexec-py-blob"), "rank 0's own copy"
     finally:
         (g.marks / "go").write_text("")
         t.join(CAP_S)
     assert replies and replies[0].get_return_code(ReturnCode.OK) == ReturnCode.OK
     assert float(from_shareable(replies[0]).data["h.3.w"][0]) == 4.0
+
+
+TORCH_IN_PLACE = (
+    PREAMBLE
+    + """
+    import torch
+    flare.init()
+    while flare.is_running():
+        m = flare.receive()
+        for v in m.params.values():
+            v.add_(1)  # in place: the tensors rank 0 received are the ones it sends
+        flare.send(FLModel(params=m.params))
+        for v in m.params.values() if m.params else ():
+            v.add_(100)  # after send: private to this rank, the sent model is sealed
+"""
+)
+
+
+def test_rank_0_sends_its_updated_params_without_a_copy(tmp_path, groups):
+    g = groups(
+        tmp_path,
+        TORCH_IN_PLACE,
+        params_exchange_format="pytorch",
+        server_expected_format="pytorch",
+    )
+    sent = {f"h.{i}.w": torch.full((512, 512), float(i), dtype=torch.bfloat16) for i in range(8)}
+    reply = g.execute("train", {k: v.clone() for k, v in sent.items()})
+    assert reply.get_return_code(ReturnCode.OK) == ReturnCode.OK, reply
+    got = from_shareable(reply).data
+    for k, v in sent.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v + 1), k
+        # The host maps rank 0's own params file (the one it received into), sealed.
+        where = _mapped_from_memfd(got[k].data_ptr())
+        assert where is not None and "rankexec-py-blob" in where, (k, where)

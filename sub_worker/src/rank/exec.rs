@@ -91,7 +91,7 @@ pub(super) fn exec_step(rank: &Rank) -> Step {
 }
 
 /// Inputs up to this size are held until the result is sent (see `run_task`).
-pub(super) const HOLD_INPUT_MAX: u64 = 256 << 20;
+pub(super) const HOLD_INPUT_MAX: u64 = 64 << 20;
 
 pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
     let span = info_span!("task", task = %job.task, task_id = job.task_id);
