@@ -137,7 +137,7 @@ if [ "$PY_TESTS" = 1 ]; then
     cargo build --release --workspace --bins
     if compgen -G 'python/tests/test_*.py' >/dev/null || compgen -G 'python/tests/*_test.py' >/dev/null; then
         say "python -m pytest python/tests -q"
-        python -m pytest python/tests -q
+        python -m pytest python/tests -q --durations=40
     else
         say "no Python tests in python/tests"
     fi
