@@ -195,9 +195,10 @@ def _pack(
     return out
 
 
-def _from_spec(
-    blob: Any, spec: Mapping[str, Any], name: str, copy: bool, writable: bool = False
-) -> Any:
+def _parse_spec(spec: Mapping[str, Any], name: str, nbytes: int) -> tuple[tuple[int, ...], Any]:
+    """``(shape, dtype)`` of a blob's spec (a torch dtype when ``framework`` is torch, else
+    a numpy dtype), checked against the blob's ``nbytes``; ``Unsendable`` naming the blob
+    otherwise."""
     try:
         shape = tuple(int(d) for d in spec["shape"])
         dtype_name = spec["dtype"]
@@ -206,6 +207,7 @@ def _from_spec(
             name, f"the blob's spec {dict(spec)!r} has no valid dtype and shape"
         ) from None
     count = int(np.prod(shape, dtype=np.int64))
+    dtype: Any
     if spec.get("framework") == "torch":
         import torch
 
@@ -213,16 +215,34 @@ def _from_spec(
         if not isinstance(dtype, torch.dtype):
             raise Unsendable(name, f"unknown torch dtype {dtype_name!r}")
         itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = np.frombuffer(blob, dtype=np.uint8)
-        if raw.size != count * itemsize:
-            raise Unsendable(
-                name,
-                f"the blob holds {raw.size} bytes, {dtype_name} of shape {list(shape)} needs "
-                f"{count * itemsize}",
-            )
+        shown = dtype_name
+    else:
+        try:
+            dtype = np.dtype(dtype_name)
+        except TypeError:
+            raise Unsendable(name, f"unknown numpy dtype {dtype_name!r}") from None
+        itemsize = dtype.itemsize
+        shown = dtype
+    if nbytes != count * itemsize:
+        raise Unsendable(
+            name,
+            f"the blob holds {nbytes} bytes, {shown} of shape {list(shape)} needs "
+            f"{count * itemsize}",
+        )
+    return shape, dtype
+
+
+def _from_spec(
+    blob: Any, spec: Mapping[str, Any], name: str, copy: bool, writable: bool = False
+) -> Any:
+    raw = np.frombuffer(blob, dtype=np.uint8)
+    shape, dtype = _parse_spec(spec, name, raw.size)
+    cow = getattr(blob, "copy_on_write", None)
+    if not isinstance(dtype, np.dtype):
+        import torch
+
         if raw.size == 0:
             return torch.empty(shape, dtype=dtype)
-        cow = getattr(blob, "copy_on_write", None)
         if cow is not None and not copy:
             # A rank's input: a private copy-on-write mapping, no copy until written.
             flat = torch.frombuffer(cow(), dtype=torch.uint8)
@@ -230,18 +250,7 @@ def _from_spec(
             # Read-only memory (torch has no read-only tensors): one copy.
             flat = torch.from_numpy(raw.copy())
         return flat.view(dtype).reshape(shape)
-    try:
-        dtype = np.dtype(dtype_name)
-    except TypeError:
-        raise Unsendable(name, f"unknown numpy dtype {dtype_name!r}") from None
-    a = np.frombuffer(blob, dtype=np.uint8)
-    if a.size != count * dtype.itemsize:
-        raise Unsendable(
-            name,
-            f"the blob holds {a.size} bytes, {dtype} of shape {list(shape)} needs "
-            f"{count * dtype.itemsize}",
-        )
-    cow = getattr(blob, "copy_on_write", None)
+    a = raw
     if writable and not copy and cow is not None and a.size:
         # A rank's input: a private copy-on-write mapping, writable, no copy until written.
         a = np.frombuffer(cow(), dtype=np.uint8)
@@ -253,39 +262,14 @@ def _from_spec(
 
 def _view_of(region: np.ndarray, spec: Mapping[str, Any], name: str) -> Any:
     """An array or tensor of ``spec`` viewing ``region`` (writable bytes), no copy."""
-    try:
-        shape = tuple(int(d) for d in spec["shape"])
-        dtype_name = spec["dtype"]
-    except (KeyError, TypeError, ValueError):
-        raise Unsendable(
-            name, f"the blob's spec {dict(spec)!r} has no valid dtype and shape"
-        ) from None
-    count = int(np.prod(shape, dtype=np.int64))
-    if spec.get("framework") == "torch":
-        import torch
+    shape, dtype = _parse_spec(spec, name, region.size)
+    if isinstance(dtype, np.dtype):
+        return region.view(dtype).reshape(shape)
+    import torch
 
-        dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise Unsendable(name, f"unknown torch dtype {dtype_name!r}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if region.size != count * itemsize:
-            raise Unsendable(
-                name,
-                f"the blob holds {region.size} bytes, {dtype_name} of shape {list(shape)} needs {count * itemsize}",
-            )
-        if region.size == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(region).view(dtype).reshape(shape)
-    try:
-        dtype = np.dtype(dtype_name)
-    except TypeError:
-        raise Unsendable(name, f"unknown numpy dtype {dtype_name!r}") from None
-    if region.size != count * dtype.itemsize:
-        raise Unsendable(
-            name,
-            f"the blob holds {region.size} bytes, {dtype} of shape {list(shape)} needs {count * dtype.itemsize}",
-        )
-    return region.view(dtype).reshape(shape)
+    if region.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(region).view(dtype).reshape(shape)
 
 
 def unpack_data(

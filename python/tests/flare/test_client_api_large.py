@@ -62,6 +62,19 @@ DTYPES = (
 )
 
 
+def _execute_in_thread(g: Group, shareable) -> tuple[threading.Thread, list]:
+    """Runs a ``train`` task on ``g``'s executor on a thread; its reply lands in the list."""
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.signal import Signal
+
+    replies: list = []
+    t = threading.Thread(
+        target=lambda: replies.append(g.executor.execute("train", shareable, FLContext(), Signal()))
+    )
+    t.start()
+    return t, replies
+
+
 def _mapped_from_memfd(address: int) -> str | None:
     """The memory file whose mapping in this process holds `address`, if any."""
     with open("/proc/self/maps") as f:
@@ -128,16 +141,7 @@ def test_flares_decoded_copy_is_released_while_the_ranks_run(tmp_path, groups):
     refs = {k: weakref.ref(v) for k, v in arrays.items()}
     shareable = DXO(DataKind.WEIGHTS, data=arrays).to_shareable()
     del arrays
-    replies = []
-
-    def run():
-        from nvflare.apis.fl_context import FLContext
-        from nvflare.apis.signal import Signal
-
-        replies.append(g.executor.execute("train", shareable, FLContext(), Signal()))
-
-    t = threading.Thread(target=run)
-    t.start()
+    t, replies = _execute_in_thread(g, shareable)
     try:
         assert wait_until(lambda: (g.marks / "received").exists(), timeout=CAP_S)
         # Rank 0 holds the model (from the memory file); this process no longer does.
@@ -209,16 +213,7 @@ def test_a_large_input_is_let_go_once_rank_0_has_it(tmp_path, groups):
     arrays = {f"h.{i}.w": np.full(20 << 20, i, dtype=np.float32) for i in range(4)}
     shareable = DXO(DataKind.WEIGHTS, data=arrays).to_shareable()
     del arrays
-    replies = []
-
-    def run():
-        from nvflare.apis.fl_context import FLContext
-        from nvflare.apis.signal import Signal
-
-        replies.append(g.executor.execute("train", shareable, FLContext(), Signal()))
-
-    t = threading.Thread(target=run)
-    t.start()
+    t, replies = _execute_in_thread(g, shareable)
     try:
         assert wait_until(lambda: (g.marks / "received").exists(), timeout=CAP_S)
         pids = [os.getpid(), *g.pids]
