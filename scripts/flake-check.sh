@@ -12,7 +12,8 @@
 #   --rust ARGS            what follows `cargo test` (one shell word list), instead of
 #                          `--workspace [--features mpi] --no-fail-fast`; e.g.
 #                          --rust "--test signal_reset --test abort --no-fail-fast"
-#   --python ARGS          what follows `python -m pytest -q -rfE`, instead of the fast
+#   --python ARGS          what follows `python -m pytest -q -rfE -n 3 --dist loadfile`
+#                          (RANKEXEC_PYTEST_WORKERS sets the 3; 0 runs serially), instead of the fast
 #                          Python tests: python/tests without flare/, flower/,
 #                          test_wheel.py and test_docs.py (those start nvflare, flwr, a
 #                          wheel build, mkdocs: minutes each)
@@ -53,7 +54,7 @@ while [ "$#" -gt 0 ]; do
         --rust) [ "$#" -ge 2 ] || die "--rust needs arguments"; RUST_ARGS="$2"; shift 2 ;;
         --python) [ "$#" -ge 2 ] || die "--python needs arguments"; PY_ARGS="$2"; shift 2 ;;
         --busy) [ "$#" -ge 2 ] || die "--busy needs a number"; BUSY_ARGS=(--busy "$2"); shift 2 ;;
-        -h | --help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option '$1' (see --help)" ;;
         *) [ -z "$N" ] || die "one N only"; N="$1"; shift ;;
     esac
@@ -111,7 +112,9 @@ run_one() {
         cmd=(cargo test $RUST_ARGS)
     else
         # shellcheck disable=SC2206
-        cmd=(python -m pytest -q -rfE -p no:cacheprovider $PY_ARGS)
+        # Three files at once, as scripts/test.sh runs them (RANKEXEC_PYTEST_WORKERS).
+        cmd=(python -m pytest -q -rfE -p no:cacheprovider
+            -n "${RANKEXEC_PYTEST_WORKERS:-3}" --dist loadfile $PY_ARGS)
     fi
     say "$suite $mode run $i/$N: ${cmd[*]} (log $log)"
     set +e

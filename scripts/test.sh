@@ -29,6 +29,7 @@
 # Environment:
 #   RANKEXEC_SKIP_PY=1     skip the Python part (no venv, no pytest, no ruff)
 #   RANKEXEC_NO_INSTALL=1  never install system packages
+#   RANKEXEC_PYTEST_WORKERS=N  test files pytest runs at once (default 3; 0: serially)
 #   PYTHON=python3.11      the interpreter that makes the venv (default: python3.11,
 #                          else python3 if it is 3.11 or newer)
 set -euo pipefail
@@ -136,8 +137,15 @@ if [ "$PY_TESTS" = 1 ]; then
     say "cargo build --release --workspace --bins (the binaries the Python tests drive)"
     cargo build --release --workspace --bins
     if compgen -G 'python/tests/test_*.py' >/dev/null || compgen -G 'python/tests/*_test.py' >/dev/null; then
-        say "python -m pytest python/tests -q"
-        python -m pytest python/tests -q --durations=40
+        # Three files at once (pytest-xdist; a file's tests stay together, so a module's
+        # deployment is set up once): most tests wait on FLARE's and Flower's polling,
+        # and the suite takes about half its serial time on 2 cores.
+        # RANKEXEC_PYTEST_WORKERS=0 runs it serially.
+        WORKERS="${RANKEXEC_PYTEST_WORKERS:-3}"
+        XDIST=()
+        if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+        say "python -m pytest python/tests -q ${XDIST[*]:-}"
+        python -m pytest python/tests -q "${XDIST[@]}" --durations=40
     else
         say "no Python tests in python/tests"
     fi

@@ -32,6 +32,7 @@ __all__ = [
     "_parse_gpu_inventory",
     "_reserve_gpus",
     "share",
+    "trim_heap",
     "start",
     "worker_cli",
 ]
@@ -176,6 +177,7 @@ class Rank:
 def start(mode: str, on_event: Callable[[str, Context], None] | None = None) -> Rank: ...
 def worker_cli(args: list[str]) -> int: ...
 def share(buffers: list[Any]) -> list[Blob]: ...
+def trim_heap() -> bool: ...
 
 # ---- host side (python/src/host/; wrapped by rankexec.host.RankGroup) ----------------
 

@@ -31,22 +31,29 @@ def serve(rank: _rankexec.Rank) -> int:
     `Shareable`, an unsendable meta value) fails that task only, with the reason.
     """
     while (task := rank.receive()) is not None:
-        component: Any = task.component  # always set in component style
-        try:
-            out = component.execute(task.name, task.input, task.ctx, task.abort)
-        except BaseException as e:
-            if e.__traceback__ is not None:
-                e.__traceback__ = e.__traceback__.tb_next  # start at the user's frame
-            task.fail(e)
-            if not isinstance(e, Exception):
-                raise  # KeyboardInterrupt, SystemExit: the rank stops
-            continue
-        try:
-            task.reply(out)
-        except ReplyError:
-            # `reply` already failed the task with why; the rank serves the next one.
-            continue
+        _serve_one(task)
+        # The task (its input's memory files) and its result go now, not when the next
+        # task arrives: between rounds a rank holds no model it was sent or sent back.
+        del task
     return rank.exit_code or 0
+
+
+def _serve_one(task: Any) -> None:
+    component: Any = task.component  # always set in component style
+    try:
+        out = component.execute(task.name, task.input, task.ctx, task.abort)
+    except BaseException as e:
+        if e.__traceback__ is not None:
+            e.__traceback__ = e.__traceback__.tb_next  # start at the user's frame
+        task.fail(e)
+        if not isinstance(e, Exception):
+            raise  # KeyboardInterrupt, SystemExit: the rank stops
+        return
+    try:
+        task.reply(out)
+    except ReplyError:
+        # `reply` already failed the task with why; the rank serves the next one.
+        return
 
 
 def main(argv: list[str] | None = None) -> int:

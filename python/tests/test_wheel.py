@@ -52,19 +52,44 @@ def _pip_cache() -> str:
     return str(Path.home() / ".cache" / "pip")
 
 
+def _snapshot() -> Path:
+    """The checkout's files (tracked, and untracked ones git does not ignore) copied to
+    ``TARGET/wheel-src``, with their modification times: ``wheel.sh`` stages the
+    binaries in ``python/rankexec/_bin`` of the tree it builds, which the checkout's
+    own package must never have while other tests run (``test_worker_lookup.py``
+    checks that it has none). The path is fixed, so cargo's builds stay incremental."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    dst = TARGET.resolve() / "wheel-src"
+    shutil.rmtree(dst, ignore_errors=True)
+    for name in filter(None, files):
+        rel = Path(os.fsdecode(name))
+        if not (REPO / rel).is_file():  # deleted but not yet committed
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dst / rel)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     prebuilt = os.environ.get("RANKEXEC_WHEEL")
     if prebuilt:
         return Path(prebuilt).resolve()
     out = tmp_path_factory.mktemp("dist")
+    src = _snapshot()
     proc = subprocess.run(
-        [str(REPO / "scripts" / "wheel.sh"), "--profile", "wheel-test", "--out", str(out)],
+        [str(src / "scripts" / "wheel.sh"), "--profile", "wheel-test", "--out", str(out)],
         check=False,
-        cwd=REPO,
+        cwd=src,
         capture_output=True,
         text=True,
         timeout=BUILD_CAP_S,
+        env={**os.environ, "CARGO_TARGET_DIR": str(TARGET.resolve())},
     )
     assert proc.returncode == 0, f"scripts/wheel.sh failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     print(proc.stdout)

@@ -59,6 +59,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
 
+from rankexec._staging import stage_releasing
 from rankexec.flare.arrays import pack_flat, plain, unpack_flat
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
@@ -320,6 +321,13 @@ class ScriptExecutor(MultiProcessExecutor):
         if isinstance(model.params, dict) and blobs:
             model.params.clear()
         del model
+        # Each tensor goes into the memory file and is let go at once, one at a time:
+        # the site never holds FLARE's decoded model and the memory file in full at once.
+        try:
+            stage_releasing(blobs)
+        except OSError as e:  # refused by the host's memory, naming both sizes
+            self.log_error(fl_ctx, f"task {task_name}: its data cannot reach the ranks: {e}")
+            return self._failed(f"the task's data cannot reach the ranks: {e}")
         result = self._run(
             group, task_name, {MODEL_KEY: fl}, blobs, fl_ctx, abort_signal, consume=True
         )

@@ -23,6 +23,7 @@ from typing import Any
 from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp as FlowerClientApp
 
+from rankexec._staging import stage_releasing
 from rankexec.flower import _channel, _codec, _start
 from rankexec.flower._channel import ChannelError
 from rankexec.flower._server import CLOSE_MESSAGE_TYPE
@@ -130,6 +131,7 @@ class ClientApp(FlowerClientApp):
             "request": self._request(),
             "blobs": {k: pickle.PickleBuffer(v) for k, v in blobs.items()},
         }
+        blobs.clear()  # the request holds them until it is sent, then lets go of them
         try:
             directory = _channel.node_dir(context.node_id)
             out = _start.request(directory, req, context.node_id)
@@ -196,18 +198,12 @@ def _warn_retries(run_id: int, retries: list[Any]) -> None:
 
 def _share_and_release(blobs: dict[str, Any], message: Message, context: Context) -> None:
     """Copies the message's large arrays into one memory file (which the channel passes
-    to the node's host and the host to every rank, as it is), then lets go of Flower's
-    own copies of them in this process: the ClientApp holds the model once, in shared
-    memory, while the ranks run. (The reply and the context's state are rebuilt from
-    rank 0's answer.)"""
-    from rankexec._rankexec import share
-
-    large = [k for k, v in blobs.items() if memoryview(v).nbytes >= _channel.SHARE_FROM]
-    if not large:
-        return
-    for k, blob in zip(large, share([blobs[k] for k in large]), strict=True):
-        blobs[k] = blob
+    to the node's host and the host to every rank, as it is), letting go of Flower's own
+    copy of each array as soon as it is copied (``_staging``): the ClientApp never
+    holds the model twice, and holds it once, in shared memory, while the ranks run.
+    (The reply and the context's state are rebuilt from rank 0's answer.)"""
     held = [context.state] if message.has_error() else [message.content, context.state]
+    stage_releasing(blobs, _channel.SHARE_FROM, _codec.releaser(held))
     for records in held:
         for rec in records.values():
             if isinstance(rec, ArrayRecord):

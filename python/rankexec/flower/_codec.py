@@ -16,7 +16,9 @@ the channel's authentication (same uid, per-launch secret) or from the host itse
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 from flwr.app import (
@@ -39,6 +41,7 @@ __all__ = [
     "encode_context",
     "encode_message",
     "encode_records",
+    "releaser",
 ]
 
 SPEC_BLOB = "__flower_spec__"
@@ -132,3 +135,21 @@ def pack(spec: Any) -> bytes:
 
 def unpack(data: Any) -> Any:
     return pickle.loads(data)
+
+
+def releaser(held: list[Any]) -> Callable[[str, Any], None]:
+    """A ``stage_releasing`` callback that removes an array's bytes from the records that
+    hold them (by identity: ``Array.data`` is the object the codec put in ``blobs``)."""
+    holders: dict[int, list[tuple[ArrayRecord, str]]] = {}
+    for records in held:
+        for rec in records.values():
+            if isinstance(rec, ArrayRecord):
+                for key, arr in rec.items():
+                    holders.setdefault(id(arr.data), []).append((rec, key))
+
+    def release(_name: str, source: Any) -> None:
+        for rec, key in holders.pop(id(source), []):
+            with contextlib.suppress(KeyError):
+                del rec[key]
+
+    return release

@@ -23,7 +23,8 @@ import sys
 from typing import Any
 
 import rankexec
-from rankexec.flower import _codec, _state
+from rankexec._staging import stage_releasing
+from rankexec.flower import _channel, _codec, _state
 
 __all__ = ["FlowerRank"]
 
@@ -104,4 +105,13 @@ class FlowerRank:
             "state": _codec.encode_records(context.state, "q", blobs),
         }
         blobs[_codec.SPEC_BLOB] = _codec.pack(out)
+        # The reply's arrays go into one memory file one at a time, each let go of once
+        # copied (the handler's reply holds the only other reference): rank 0 never holds
+        # Flower's serialized reply and the file in full at once.
+        # The input's memory file is not needed any more (the handler has returned):
+        # unmapped here before the reply's file is filled.
+        del message, context
+        input.blobs.clear()
+        if not reply.has_error():
+            stage_releasing(blobs, _channel.SHARE_FROM, _codec.releaser([reply.content]))
         return rankexec.Shareable(meta={"rank": 0}, blobs=blobs)

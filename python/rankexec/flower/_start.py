@@ -119,10 +119,16 @@ def connect_or_start(directory: Path, node_id: int) -> Any:
 
 
 def request(directory: Path, req: dict[str, Any], node_id: int) -> Any:
-    """Sends one request to the node's host (started if needed) and returns its answer."""
+    """Sends one request to the node's host (started if needed) and returns its answer.
+    Its ``blobs`` are let go of once sent (``req["blobs"]`` is emptied): the memory files
+    they map went to the host with the request, and this process need not keep the
+    model's pages alive while the ranks run."""
     sock = connect_or_start(directory, node_id)
     with sock:
         _channel.send(sock, req)
+        blobs = req.get("blobs")
+        if isinstance(blobs, dict):
+            blobs.clear()
         return _channel.recv(sock)
 
 

@@ -44,10 +44,12 @@ node's key (the SuperNode's ``--auth-supernode-private-key``, or ``--node-key`` 
 host the site starts); without node authentication it registers a probe key that is
 never online (see ``_runcheck``). The channel proves the
 caller's uid, not its run (see ``_runs``). ``host.log`` is cut back to its last
-``_LOG_KEEP`` bytes when it passes ``_LOG_MAX``. On shutdown a task that does not
-return within ``_SHUTDOWN_WAIT_S`` of its abort is closed by its own serving thread;
-if the host exits first, its ranks see their parent gone and exit (rankexec's parent
-watch), as they do when the host is SIGKILLed.
+``_LOG_KEEP`` bytes when it passes ``_LOG_MAX``. On shutdown the host waits up to
+``--shutdown-wait`` (``_SHUTDOWN_WAIT_S``) for each task in flight to return after its
+abort, and its serving thread closes its group; a task that does not return by then
+keeps its group (nothing closes it under the task) and the host exits: its ranks see
+their parent gone and exit (rankexec's parent watch), as they do when the host is
+SIGKILLed.
 """
 
 from __future__ import annotations
@@ -127,8 +129,13 @@ class Host:
         *,
         root_certificates: str | None = None,
         node_key: str | None = None,
+        shutdown_wait_s: float = _SHUTDOWN_WAIT_S,
     ) -> None:
         self.dir = directory
+        self.shutdown_wait_s = shutdown_wait_s
+        # Set when ``shutdown`` has done everything it does: ``serve`` returns (and the
+        # process exits) only then, or a task in flight would lose its host under it.
+        self.shut_down = threading.Event()
         self.node_id = node_id
         self.supernode_pid = supernode_pid
         # Where the site's rules come from: the operator's arguments, else the
@@ -326,28 +333,32 @@ class Host:
             return
         _log(f"shutting down: {why}")
         self.stopping.set()
-        with self.lock:
-            runs = list(self.runs.values())
-        for run in runs:
-            if run.busy:
-                run.abort(why)
-        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
-        for run in runs:
-            if run.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                try:
-                    if not run.ended:
-                        self._end_run(run, why)
-                finally:
-                    run.lock.release()
-            else:
-                _log(
-                    f"run {run.run_id}'s task did not return within {_SHUTDOWN_WAIT_S}s of"
-                    " its abort; its serving thread closes the group when it does"
-                )
-        for name in ("host.sock", "secret", "host.pid"):
-            self._unlink_ours(name)
-        if self.runcheck is not None:
-            self.runcheck.close()
+        try:
+            with self.lock:
+                runs = list(self.runs.values())
+            for run in runs:
+                if run.busy:
+                    run.abort(why)
+            deadline = time.monotonic() + self.shutdown_wait_s
+            for run in runs:
+                if run.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    try:
+                        if not run.ended:
+                            self._end_run(run, why)
+                    finally:
+                        run.lock.release()
+                else:
+                    _log(
+                        f"run {run.run_id}'s task did not return within"
+                        f" {self.shutdown_wait_s}s of its abort; the host exits without"
+                        " closing its group under it (its ranks follow their parent)"
+                    )
+            for name in ("host.sock", "secret", "host.pid"):
+                self._unlink_ours(name)
+            if self.runcheck is not None:
+                self.runcheck.close()
+        finally:
+            self.shut_down.set()
 
     # ---- the node's files ------------------------------------------------------------
 
@@ -411,6 +422,10 @@ class Host:
                 break
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
         srv.close()
+        # The shutdown (a signal's thread, or the watch's) waits for tasks in flight;
+        # returning before it ends would end the process under them.
+        if not self.shut_down.wait(self.shutdown_wait_s + 30.0):
+            _log("the shutdown did not end in time; the host exits")
         return 0
 
 
@@ -444,6 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease", type=float, default=None, help="idle seconds (default: the site's)")
     p.add_argument("--site", default=None, help="the site file (default: the SuperNode's)")
     p.add_argument(
+        "--shutdown-wait",
+        type=float,
+        default=_SHUTDOWN_WAIT_S,
+        help="on SIGTERM, seconds a task in flight has to return after its abort"
+        f" (default {_SHUTDOWN_WAIT_S:g})",
+    )
+    p.add_argument(
         "--node-config", default=None, help="the SuperNode's --node-config (default: read it)"
     )
     a = p.parse_args(argv)
@@ -459,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             a.node_config,
             root_certificates=a.root_certificates,
             node_key=a.node_key,
+            shutdown_wait_s=a.shutdown_wait,
         )
         host._take_node()
     except (HostTaken, _site.SiteError) as e:

@@ -216,6 +216,8 @@ impl HostGroup {
             // The caller's references to the input go now: once in shared memory, the
             // input is not held twice while the task runs (see `execute`'s docs).
             blobs.clear();
+            // Freed tensors under glibc's mmap threshold stay resident until trimmed.
+            crate::os::trim_heap();
         }
         let (mut blob_map, staged_size) = staged.map_err(|e| errors::staging_error(py, &e))?;
         blob_map.extend(ready);

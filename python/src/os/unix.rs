@@ -26,6 +26,11 @@
 //!
 //! Caveat: the kernel checks the write seal only against shared mappings; the private
 //! mapping that replaces ours is what makes sealing possible with live views.
+//!
+//! - [`trim_heap`]: gives the C heap's free pages back to the kernel once a large input
+//!   has been released (glibc keeps freed chunks under its mmap threshold, up to 32 MiB
+//!   each, in the process: a transformer's decoded tensors stay resident after they are
+//!   freed).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -246,4 +251,25 @@ pub(crate) fn private_copy(
 /// The inode of a file descriptor.
 pub(crate) fn inode(fd: BorrowedFd<'_>) -> io::Result<u64> {
     Ok(rustix::fs::fstat(fd)?.st_ino)
+}
+
+/// Returns the C heap's free pages to the kernel (glibc's `malloc_trim(0)`: the top of
+/// each arena is released, and free pages inside it are `MADV_DONTNEED`ed). A state dict
+/// decoded by FLARE or Flower is mostly tensors of 1-32 MiB; glibc serves those from its
+/// heap once its dynamic mmap threshold has risen (after the first large free), and a
+/// freed heap chunk stays in the process's resident memory. Called after a task's input
+/// is released (`RankGroup.execute(consume=True)`) and by `rankexec._rankexec.trim_heap`.
+/// Returns whether any memory was released. A no-op off glibc.
+pub(crate) fn trim_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim takes no pointer and no caller state: it walks glibc's own
+        // arenas, each under its own lock, so any thread may call it at any time, with
+        // or without other threads allocating.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
 }

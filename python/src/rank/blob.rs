@@ -416,6 +416,14 @@ impl SharedBuffer {
     }
 }
 
+/// Gives the C heap's free pages back to the kernel (glibc's `malloc_trim(0)`), after a
+/// large input was released: tensors of 1-32 MiB that glibc served from its heap stay
+/// resident once freed until then. Returns whether any memory was released.
+#[pyfunction]
+pub fn trim_heap() -> bool {
+    crate::os::trim_heap()
+}
+
 /// Copies `buffers` (anything with a contiguous buffer) into one sealed memory file,
 /// each at a page-aligned offset, and returns a `Blob` of each: what a process that
 /// is not a rank (Flower's ClientApp) hands to the node's host with `socket.send_fds`,

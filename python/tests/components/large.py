@@ -49,3 +49,19 @@ class Sparse:
         with open(path, "rb") as f:
             m = mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ)
         return rankexec.Shareable(blobs={"huge": m})
+
+
+class Hold:
+    """Writes its pid to ``meta["started"]`` (rank 0), then waits (60 s at most) for
+    the file ``meta["go"]`` before it answers: the host is measured while it runs."""
+
+    def execute(self, task, input, ctx, abort):
+        import time
+        from pathlib import Path
+
+        if int(os.environ["RANK"]) == 0:
+            Path(input.meta["started"]).write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not Path(input.meta["go"]).exists() and time.monotonic() < deadline:
+            abort.wait(0.05)
+        return rankexec.Shareable(meta={"pid": os.getpid()})

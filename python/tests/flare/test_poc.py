@@ -8,16 +8,15 @@ both clients, and `python -m rankexec.flare policy` that allows the one rank com
 installed on the sites. Then, on the same deployment, in order:
 
 - a job of FLARE's own (NPTrainer, no rankexec) runs: the site steps broke nothing;
-- `examples/flare/numpy-fedavg` as a job without custom code, under the site policy;
-- the Client API example (`examples/flare/client-api/jobs/rankexec`: `ScriptExecutor`,
-  2 ranks per site, torch DDP);
-- an abort from the admin API while the ranks train: `FINISHED:ABORTED`, every rank
-  gone, and the next job runs;
 - a SIGKILL of a client's job process mid-round: its ranks are gone, and the client runs
   the next job;
 - two jobs at once on the same sites;
 - `examples/flare/client-api/recipe_job.py` (FLARE's Recipe API with
   `use_rank_groups`) through `ProdEnv` with the deployment's admin kit.
+
+The Client API example, a job without custom code under the site policy and an admin
+abort while the ranks train run on a provisioned deployment instead
+(`test_provisioned.py`: production kits, where users run them).
 
 Finally `nvflare poc stop` and nothing of the deployment is left (`Poc.stop` returns
 what it had to kill).
@@ -34,7 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from .flare_helpers import REPO, rank_pids, wait_until
@@ -186,50 +184,6 @@ def test_a_job_of_flares_own_runs_after_the_site_steps(poc, tmp_path):
     job_id = poc.submit(flare_own_job(tmp_path))
     meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
     assert_completed(poc, job_id, meta)
-
-
-def test_numpy_fedavg_without_custom_code_under_the_site_policy(poc, tmp_path):
-    job_id = poc.submit(numpy_job_without_custom_code(tmp_path, poc.component, rounds=3))
-    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
-    assert not meta.get("byoc"), meta  # FLARE records "byoc": true only for custom code
-    assert_completed(poc, job_id, meta)
-    result = Path(poc.session().download_job_result(job_id, str(tmp_path / "result")))
-    models = list(result.rglob("server.npy"))
-    assert models, f"no server.npy in the job's result {result}"
-    # NPModelPersistor starts from [[1,2,3],[4,5,6],[7,8,9]]; each round adds delta 1.0.
-    initial = np.arange(1, 10, dtype=np.float32).reshape(3, 3)
-    np.testing.assert_allclose(np.load(models[0]), initial + 3.0)
-    assert not job_rank_pids(poc, job_id)
-
-
-def test_the_client_api_example_with_script_executor(poc):
-    job_id = poc.submit(CLIENT_API)
-    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
-    assert_completed(poc, job_id, meta)
-    for site in poc.sites:
-        assert rank_log_says(poc, job_id, site, f"{site} round 2:"), site
-    assert wait_until(lambda: not job_rank_pids(poc, job_id), 30, step=0.1)
-
-
-def test_an_admin_abort_while_the_ranks_train(poc, tmp_path):
-    job_id = poc.submit(long_client_api_job(tmp_path))
-    assert wait_until(
-        lambda: all(rank_log_says(poc, job_id, s, "round 0:") for s in poc.sites),
-        JOB_CAP_S,
-        step=0.2,
-    ), poc.meta(job_id)
-    pids = job_rank_pids(poc, job_id)
-    assert len(pids) == 4, pids  # 2 sites x 2 ranks, training
-    t0 = time.monotonic()
-    poc.session().abort_job(job_id)
-    meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
-    assert meta.get("status") == "FINISHED:ABORTED", meta
-    gone = wait_until(lambda: not job_rank_pids(poc, job_id), 60, step=0.05)
-    print(f"admin abort -> every rank gone: {time.monotonic() - t0:.2f} s (pids {pids})")
-    assert gone, f"ranks still alive after the abort: {job_rank_pids(poc, job_id)}"
-    # The same sites run the next job.
-    nxt = poc.submit(numpy_job_without_custom_code(tmp_path, poc.component, rounds=1))
-    assert_completed(poc, nxt, poc.wait_status(nxt, "FINISHED", JOB_CAP_S))
 
 
 def test_a_killed_job_process_takes_its_ranks_with_it(poc, tmp_path):

@@ -1,7 +1,7 @@
 """rankexec.flower under Flower's real Deployment Engine (flwr 1.42), offline.
 
 One SuperLink and two SuperNodes (``--insecure``, a private ``FLWR_HOME``, free ports,
-telemetry and update checks off) serve five runs of ``examples/flower/ddp-digits``
+telemetry and update checks off) serve six runs of ``examples/flower/ddp-digits``
 (two DDP ranks per node, gloo, FedAvg):
 
 1. the example: held-out accuracy >= 0.95, every node's ranks the same pids in every
@@ -12,7 +12,8 @@ telemetry and update checks off) serve five runs of ``examples/flower/ddp-digits
    the exception, the next round runs on a relaunched group;
 3. rank 1 of one node SIGKILLed mid-round: ``restart.retry_task`` runs the node's
    message again on a relaunched group, and the round aggregates both nodes;
-4. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
+4. a SuperNode SIGSTOPped: the ServerApp's ``close_groups`` reports it ``False``;
+5. a SuperNode SIGKILLed mid-round (its host and ranks go), then ``flwr stop`` of the
    run mid-round (the other node's task is aborted and its group closes).
 
 Every Flower process is stopped by pid afterwards, and no process that carries the
@@ -181,6 +182,31 @@ def test_a_killed_rank_costs_a_retry_not_the_round(dep: Deployment) -> None:
     print(f"[flower] {line.strip()}")
     assert f"rank 1 (pid {old[1]})" in line
     wait_until(lambda: not any(pid_alive(p) for p in pids + old), 30, "ranks gone")
+
+
+def test_close_groups_reports_a_node_that_does_not_answer(dep: Deployment) -> None:
+    """``close_groups`` maps every node the grid knows to whether it answered: a
+    SuperNode stopped (SIGSTOP, still listed by the SuperLink) reads ``False`` once
+    the close timeout passes, the other ``True``; the run still completes."""
+    out = dep.root / "result-close.json"
+    stopped = dep.supernodes[1]
+    hosts = {n: host_status_in(dep, n) for n in _nodes(dep)}
+    stopped_node = [n for n, st in hosts.items() if st and st["supernode_pid"] == stopped.pid]
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        run = dep.submit(
+            APP, {"result-file": str(out), "num-server-rounds": 0, "close-timeout": 20.0}
+        )
+        status = dep.wait_run(run, 180)
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+    assert status == "finished:completed", dep.run_log(run)
+    closed = _result(out)["closed"]
+    print(f"\n[flower] close_groups with a stopped SuperNode: {closed}")
+    assert len(closed) == 2, closed
+    assert sorted(closed.values()) == [False, True], closed
+    for n in stopped_node:  # where an earlier run left that node's host to say its id
+        assert closed[str(n)] is False, (n, closed)
 
 
 def test_sigkilled_supernode_and_flwr_stop_leave_nothing(dep: Deployment) -> None:

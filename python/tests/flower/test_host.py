@@ -382,3 +382,87 @@ def test_the_host_log_is_bounded(tmp_path) -> None:
         assert b"[host.log cut to its last bytes]" in log_path.read_bytes()[:64]
     finally:
         _stop(host)
+
+
+SLOW_APP = """
+import os
+import time
+from pathlib import Path
+
+from flwr.app import Message, MetricRecord, RecordDict
+
+from rankexec.flower import ClientApp
+
+# abort_grace longer than the test: the ranks are never killed for ignoring the abort.
+app = ClientApp(num_of_processes=2, deadlines={"startup": "120s", "abort_grace": "300s"})
+
+
+@app.train()
+def train(msg, context):
+    cfg = msg.content["config"]
+    Path(cfg["mark"] + f".{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(float(cfg["sleep"]))  # busy in user code: the abort is not looked at
+    return Message(RecordDict({"metrics": MetricRecord({"pid": os.getpid()})}), reply_to=msg)
+"""
+
+
+@pytest.mark.parametrize("wait", ["default", "short"])
+def test_a_host_stopped_under_a_task_waits_for_it_then_closes_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: str
+) -> None:
+    """SIGTERM to a host while a rank is busy in user code that ignores the abort: the
+    host waits for the task (up to ``--shutdown-wait``) instead of exiting under it; the
+    task's own serving thread closes its group when the task returns, never the shutdown
+    under it; the host removes its socket, secret and pid file, exits 0, and no rank is
+    left. With a wait shorter than the task, the host says so and exits; its ranks follow
+    it (their parent watch)."""
+    import importlib
+    import threading
+
+    node = 7008 if wait == "default" else 7009
+    pkg = tmp_path / "app" / "slowapp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "client_app.py").write_text(textwrap.dedent(SLOW_APP))
+    monkeypatch.syspath_prepend(str(tmp_path / "app"))
+    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
+    monkeypatch.setenv("RANKEXEC_LOG", "warn")
+    app = importlib.import_module("slowapp.client_app").app
+    extra = ["--shutdown-wait", "1"] if wait == "short" else []
+    host = _start_host(node, tmp_path, "--lease", "60", *extra)
+    directory = tmp_path / "rx" / f"node-{node}"
+    mark = tmp_path / "in-train"
+    replies: list[Message] = []
+    try:
+        wait_until(lambda: host_status(node) is not None, 60, "the host listening")
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 44, 0, 1
+        content = RecordDict({"config": ConfigRecord({"mark": str(mark), "sleep": 4.0})})
+        msg = Message(content, dst_node_id=node, message_type="train")
+        ctx = Context(44, node, {}, RecordDict(), {})
+        caller = threading.Thread(target=lambda: replies.append(app(msg, ctx)), daemon=True)
+        caller.start()
+        marks = [Path(f"{mark}.{r}") for r in (0, 1)]
+        wait_until(lambda: all(m.exists() and m.read_text() for m in marks), 120, "in train")
+        ranks = [int(m.read_text()) for m in marks]
+        host.send_signal(signal.SIGTERM)
+        code = host.wait(60)
+        caller.join(60)
+    finally:
+        if host.poll() is None:
+            _stop(host)
+        sys.modules.pop("slowapp.client_app", None)
+        sys.modules.pop("slowapp", None)
+    log = max(tmp_path.glob(f"host-{node}-*.log")).read_text()
+    print(f"\n[flower-host] stopped under a task ({wait} wait): exit {code}")
+    print("\n".join("  " + line for line in log.strip().splitlines()[-4:]))
+    assert code == 0, log
+    wait_until(lambda: not any(pid_alive(p) for p in ranks), 30, "no rank left")
+    left = {p.name for p in directory.iterdir()}
+    assert not {"host.sock", "secret", "host.pid"} & left, left
+    assert len(replies) == 1, "the ClientApp was answered"
+    if wait == "default":
+        # The task returned within the wait: its thread closed the group, then the host.
+        assert "did not return within" not in log, log
+        assert replies[0].has_error() and "aborted: signal 15" in replies[0].error.reason, replies
+    else:
+        assert "task did not return within 1.0s of its abort" in log, log

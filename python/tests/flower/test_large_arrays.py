@@ -47,7 +47,7 @@ def train(msg, context):
     places = sorted({_where(a.ctypes.data) for a in arrays})
     files = sorted({os.stat(p).st_ino for p in
                     (f"/proc/self/map_files/{line.split()[0]}" for line in
-                     open("/proc/self/maps") if "memfd:rankexec-blobs" in line)} or {0})
+                     open("/proc/self/maps") if "memfd:rankexec-py-blob" in line)} or {0})
     out = ArrayRecord([a + 1 for a in arrays])
     info = ConfigRecord({"places": places, "n": len(arrays), "rank": int(os.environ["RANK"])})
     return Message(RecordDict({"arrays": out, "info": info}), reply_to=msg)
@@ -97,7 +97,7 @@ def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(ap
         info = reply.content["info"]
         print("rank 0 mapped its input from:", info["places"])
         assert info["n"] == 200 and info["rank"] == 0
-        assert len(info["places"]) == 1 and "memfd:rankexec-blobs" in info["places"][0]
+        assert len(info["places"]) == 1 and "memfd:rankexec-py-blob" in info["places"][0]
         # The ClientApp let go of Flower's copy of the message's arrays.
         assert len(msg.content["arrays"]) == 0
         back = reply.content["arrays"]
@@ -108,7 +108,7 @@ def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(ap
             assert a[0] == i + 1 and a[-1] == i + 1, key
             # Flower's Array.data here is a view of rank 0's memory file.
             address = np.frombuffer(arr.data, dtype=np.uint8).ctypes.data
-            assert "memfd:rankexec-blobs" in _where(address), (key, _where(address))
+            assert "memfd:rankexec-py-blob" in _where(address), (key, _where(address))
         # A second message on the same group works the same way.
         msg2 = Message(
             RecordDict({"arrays": ArrayRecord(arrays[:3])}), dst_node_id=node, message_type="train"

@@ -58,7 +58,7 @@ def main(grid: Grid, context: Context) -> None:
     started = time.time()
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(task.make_model().state_dict()),
+        initial_arrays=(initial := ArrayRecord(task.make_model().state_dict())),
         num_rounds=rounds,
         train_config=ConfigRecord({"lr": float(cfg["lr"])}),
         evaluate_fn=central_evaluate,
@@ -69,10 +69,11 @@ def main(grid: Grid, context: Context) -> None:
         try:
             from rankexec.flower import close_groups
 
-            closed = close_groups(grid)
+            closed = close_groups(grid, timeout=float(cfg.get("close-timeout", 120.0)))
         except ImportError:  # the benchmark's plain-Flower variants
             closed = {}
-    final = task.evaluate(_model_of(result.arrays), x_test, y_test)
+    # With 0 rounds (only the close at the end) the result holds no arrays.
+    final = task.evaluate(_model_of(result.arrays if rounds else initial), x_test, y_test)
     print(f"held-out accuracy {final[0]:.4f} after {rounds} rounds")
     if cfg.get("result-file"):
         with open(str(cfg["result-file"]), "w") as f:
