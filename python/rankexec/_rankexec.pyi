@@ -32,8 +32,8 @@ __all__ = [
     "_parse_gpu_inventory",
     "_reserve_gpus",
     "share",
-    "trim_heap",
     "start",
+    "trim_heap",
     "worker_cli",
 ]
 

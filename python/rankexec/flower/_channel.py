@@ -29,6 +29,7 @@ else ``$XDG_RUNTIME_DIR/rankexec-flower``, else ``/tmp/rankexec-flower-<uid>``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
@@ -38,6 +39,7 @@ import secrets
 import socket
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -262,12 +264,34 @@ def accept_auth(conn: socket.socket, secret: bytes, timeout: float = 10.0) -> No
     conn.settimeout(None)
 
 
+#: A Unix socket's path holds 107 bytes (and a NUL).
+_SUN_PATH_MAX = 107
+
+
+@contextlib.contextmanager
+def socket_path(directory: Path, name: str = "host.sock") -> Iterator[str]:
+    """The path to bind or connect ``directory / name`` by: itself when it fits a Unix
+    socket's address, else the same file through ``/proc/self/fd/N/`` of an ``O_PATH``
+    descriptor of the folder, which Linux resolves (a node folder under a long
+    ``RANKEXEC_FLOWER_DIR`` or ``$XDG_RUNTIME_DIR``, with Flower's 20-digit node ids)."""
+    path = str(directory / name)
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        yield path
+        return
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)
+
+
 def connect(directory: Path, timeout: float = 10.0) -> socket.socket:
     """Connects to the host in ``directory`` and authenticates."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(directory / "host.sock"))
+        with socket_path(directory) as address:
+            sock.connect(address)
         if _peer_uid(sock) != os.getuid():
             raise ChannelError("the host socket belongs to another user")
         secret = (directory / "secret").read_bytes()

@@ -400,7 +400,8 @@ class Host:
         self._note_made("secret")
         path = self.dir / "host.sock"
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(str(path))
+        with _channel.socket_path(self.dir) as address:
+            srv.bind(address)
         self._note_made("host.sock")
         os.chmod(path, 0o600)
         srv.listen(16)

@@ -466,3 +466,23 @@ def test_a_host_stopped_under_a_task_waits_for_it_then_closes_its_group(
         assert replies[0].has_error() and "aborted: signal 15" in replies[0].error.reason, replies
     else:
         assert "task did not return within 1.0s of its abort" in log, log
+
+
+def test_a_node_folder_longer_than_a_socket_address(app, tmp_path, monkeypatch) -> None:
+    """A node folder whose ``host.sock`` path passes the 107 bytes a Unix socket's
+    address holds (a long ``RANKEXEC_FLOWER_DIR``, Flower's 20-digit node ids): the host
+    binds and the ClientApp connects through ``/proc/self/fd/N/`` of the folder."""
+    base = tmp_path / ("d" * 80) / "rx"
+    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(base))
+    node = 14842636390935620781
+    sock = base / f"node-{node}" / "host.sock"
+    assert len(str(sock)) > 107
+    reply, _ = _call(app, node)
+    assert not reply.has_error(), reply.error
+    st = host_status(node)
+    assert st is not None and len(st["pids"]) == 2 and sock.exists()
+    close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+    assert dict(app(close, Context(41, node, {}, RecordDict(), {})).content["rankexec"])["closed"]
+    os.kill(st["pid"], signal.SIGTERM)
+    wait_until(lambda: not pid_alive(st["pid"]), 30, "the host gone")
+    assert all(not pid_alive(p) for p in st["pids"]) and not sock.exists()
