@@ -54,21 +54,30 @@ def train(msg, context):
 """
 
 
-@pytest.fixture
-def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    pkg = tmp_path / "app" / "tinyapp"
+def _install_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package: str, source: str):
+    """Writes ``source`` as ``package.client_app`` under ``tmp_path/app``, points the
+    ranks' host at ``tmp_path/rx`` and returns the module's ``app``."""
+    import importlib
+
+    pkg = tmp_path / "app" / package
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "client_app.py").write_text(textwrap.dedent(APP))
+    (pkg / "client_app.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path / "app"))
     monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
     monkeypatch.setenv("RANKEXEC_LOG", "warn")
-    import importlib
+    return importlib.import_module(f"{package}.client_app").app
 
-    mod = importlib.import_module("tinyapp.client_app")
-    yield mod.app
-    sys.modules.pop("tinyapp.client_app", None)
-    sys.modules.pop("tinyapp", None)
+
+def _forget_app(package: str) -> None:
+    sys.modules.pop(f"{package}.client_app", None)
+    sys.modules.pop(package, None)
+
+
+@pytest.fixture
+def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    yield _install_app(tmp_path, monkeypatch, "tinyapp", APP)
+    _forget_app("tinyapp")
 
 
 def _call(app, node: int, raise_rank: int = -1, run: int = 41):
@@ -416,18 +425,10 @@ def test_a_host_stopped_under_a_task_waits_for_it_then_closes_its_group(
     under it; the host removes its socket, secret and pid file, exits 0, and no rank is
     left. With a wait shorter than the task, the host says so and exits; its ranks follow
     it (their parent watch)."""
-    import importlib
     import threading
 
     node = 7008 if wait == "default" else 7009
-    pkg = tmp_path / "app" / "slowapp"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "client_app.py").write_text(textwrap.dedent(SLOW_APP))
-    monkeypatch.syspath_prepend(str(tmp_path / "app"))
-    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
-    monkeypatch.setenv("RANKEXEC_LOG", "warn")
-    app = importlib.import_module("slowapp.client_app").app
+    app = _install_app(tmp_path, monkeypatch, "slowapp", SLOW_APP)
     extra = ["--shutdown-wait", "1"] if wait == "short" else []
     host = _start_host(node, tmp_path, "--lease", "60", *extra)
     directory = tmp_path / "rx" / f"node-{node}"
@@ -450,8 +451,7 @@ def test_a_host_stopped_under_a_task_waits_for_it_then_closes_its_group(
     finally:
         if host.poll() is None:
             _stop(host)
-        sys.modules.pop("slowapp.client_app", None)
-        sys.modules.pop("slowapp", None)
+        _forget_app("slowapp")
     log = max(tmp_path.glob(f"host-{node}-*.log")).read_text()
     print(f"\n[flower-host] stopped under a task ({wait} wait): exit {code}")
     print("\n".join("  " + line for line in log.strip().splitlines()[-4:]))
