@@ -112,8 +112,11 @@ def main(grid: Grid, context: Context) -> None:
     shape = config_for(parse_size(str(cfg["size"])), str(cfg["dtype"]))
     del shape["dtype"]
     dtype = np.dtype(str(cfg["dtype"]))
+    # Every tensor its own random values, as a trained model's are: Flower's wire is
+    # content-addressed, so equal tensors (np.full of a few values) would travel and be
+    # held once on its side and make its figures look smaller than a real model's.
     arrays = {
-        name: Array(np.full(dims, 1 + i % 4, dtype=dtype))
+        name: Array(np.random.default_rng(i).random(dims, dtype=np.float32).astype(dtype))
         for i, (name, dims) in enumerate(layout(**shape))
     }
     nbytes = sum(len(a.data) for a in arrays.values())

@@ -19,7 +19,9 @@ output). The host then reads one word of every page of the result. Figures:
 
 ``consume=True``: the host's array is released once it is in shared memory, as
 ``ScriptExecutor`` does with FLARE's decoded copy. Sizes that do not fit the machine's
-available memory (about 2.5 x ``S`` plus 2 GiB) are skipped and reported as such. One
+available memory (2 x ``S`` plus 2 GiB: at most two copies of the payload exist at once,
+the payload and the memcpy's target or the memory file, or the payload and the ``S``
+bytes ``warm`` touches) are skipped and reported as such. One
 run of each figure (``--reps`` for more; the median is reported).
 
     python benchmarks/python/large_payload_bench.py [--sizes 1,2,4,8] [--ranks 1,2,4,8]
@@ -160,7 +162,7 @@ def main() -> int:
             groups[n].start()
             one(groups[n], 1 << 20, True)  # warm-up: the component's first task
         for size in sizes:
-            need = int(2.5 * size) + 2 * GIB
+            need = 2 * size + 2 * GIB  # see the module docs
             if available() < need:
                 emit(
                     {

@@ -48,14 +48,21 @@ SPEC_BLOB = "__flower_spec__"
 
 
 def encode_records(rd: RecordDict, prefix: str, blobs: dict[str, Any]) -> list[Any]:
-    """The structure of ``rd`` (picklable), its arrays' bytes added to ``blobs``."""
+    """The structure of ``rd`` (picklable), its arrays' bytes added to ``blobs``, once
+    per buffer: arrays that share one ``data`` object (Flower gives every array of the
+    same content the same object when it receives a message, e.g. zero-initialised LoRA
+    matrices) share one blob, so they travel and sit in shared memory once."""
     out: list[Any] = []
+    by_buffer = {id(value): name for name, value in blobs.items()}
     for name, rec in rd.items():
         if isinstance(rec, ArrayRecord):
             arrays = []
             for i, (key, arr) in enumerate(rec.items()):
-                blob = f"{prefix}.{len(out)}.{i}"
-                blobs[blob] = arr.data
+                blob = by_buffer.get(id(arr.data))
+                if blob is None:
+                    blob = f"{prefix}.{len(out)}.{i}"
+                    blobs[blob] = arr.data
+                    by_buffer[id(arr.data)] = blob
                 arrays.append((key, arr.dtype, tuple(arr.shape), arr.stype, blob))
             out.append((name, "arrays", arrays))
         elif isinstance(rec, MetricRecord):

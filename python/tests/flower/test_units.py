@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Context,
@@ -26,6 +27,7 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
+from rankexec._staging import stage_releasing
 from rankexec.flower import _channel, _codec, _site, ndarrays
 
 
@@ -64,6 +66,38 @@ def test_message_and_context_round_trip_with_arrays_as_views() -> None:
     assert dict(cback.state["s"]) == {"k": 1}
     reply = Message(RecordDict({"m": MetricRecord({"x": 1})}), reply_to=back)
     assert reply.metadata.reply_to_message_id == msg.metadata.message_id
+
+
+def test_arrays_sharing_one_buffer_travel_once() -> None:
+    """Flower hands a received message's arrays of equal content over as one object
+    (its wire is content-addressed): they must be staged and mapped once, not once per
+    key, and each key must still read its array; the releaser lets go of every key."""
+    zeros = Array(np.zeros((256, 1024), np.float32))  # 1 MiB, a LoRA B matrix's start
+    ones = Array(np.ones(7, np.float32))
+    record = ArrayRecord()
+    for key in ("a.lora_B", "b.lora_B", "c.lora_B"):
+        record[key] = zeros
+    record["bias"] = ones
+    msg = Message(RecordDict({"arrays": record}), dst_node_id=5, message_type="train")
+    ctx = Context(7, 3, {}, RecordDict({"w": ArrayRecord({"kept": zeros})}), {})
+    blobs: dict = {}
+    spec = _codec.encode_message(msg, blobs)
+    cspec = _codec.encode_context(ctx, blobs)
+    assert sorted(len(memoryview(v)) for v in blobs.values()) == sorted(
+        [len(zeros.data), len(ones.data)]
+    ), "one blob per distinct buffer, the context's included"
+    size = stage_releasing(blobs, 1 << 20, _codec.releaser([msg.content, ctx.state]))
+    assert size == len(zeros.data)
+    assert list(record.keys()) == ["bias"], "every key of the staged buffer let go of"
+    assert "kept" not in ctx.state["w"]
+    shared = {k: memoryview(v) for k, v in blobs.items()}
+    back = _codec.decode_message(spec, shared)
+    cback = _codec.decode_context(cspec, shared)
+    views = ndarrays(back.content["arrays"])
+    assert [a.shape for a in views] == [(256, 1024)] * 3 + [(7,)]
+    assert len({a.ctypes.data for a in views[:3]}) == 1, "the three keys share one mapping"
+    np.testing.assert_array_equal(back.content["arrays"]["b.lora_B"].numpy(), 0)
+    np.testing.assert_array_equal(cback.state["w"]["kept"].numpy(), 0)
 
 
 def _serve_once(
