@@ -18,6 +18,9 @@ weight in place, and replies ``ArrayRecord(model.state_dict())``.
 - ``rankexec-ndarrays``: the same, the handler reading the arrays with
   ``rankexec.flower.ndarrays`` (read-only views of the memory file) instead of
   ``to_torch_state_dict()`` (which parses each array into a new one).
+- ``rankexec-shared``: as ``rankexec-ndarrays``, the reply made with
+  ``rankexec.flower.shared_array_record`` (the tensors written once, straight into the
+  memory file that leaves rank 0) instead of ``ArrayRecord(...)``.
 - ``rankexec``: ``rankexec.flower.ClientApp(num_of_processes=--ranks)``: the same handler
   on every rank of the node's group; rank 0 trains and answers, the others answer at
   once. The handler is the same code both ways (the model is built for each message).
@@ -184,7 +187,7 @@ def train(msg: Message, context: Context) -> Message:
     with torch.no_grad():
         for t in _model.values():
             t.add_(1)
-    reply = ArrayRecord(_model)
+    {reply}
     metrics = MetricRecord({{"num-examples": 1, "t_in": t_in, "t_out": time.time(), "pid": os.getpid()}})
     if not {keep}:
         _model.clear()
@@ -206,7 +209,7 @@ LOAD = {
     record = msg.content["arrays"]
     for k, a in zip(record.keys(), ndarrays(record), strict=True):
         if k not in _model:
-            _model[k] = torch.empty(a.shape, dtype=torch.float16)
+            _model[k] = torch.empty(a.shape, dtype=getattr(torch, str(a.dtype)))
         _model[k].numpy()[...] = a""",
 }
 
@@ -231,9 +234,18 @@ def write_app(root: Path, impl: str, ranks: int) -> Path:
     # The same handler both ways: the model is built for each message (Flower's process
     # ends with the message; a rank could keep it, which would cost one model more).
     keep = False
-    load = LOAD["ndarrays" if impl == "rankexec-ndarrays" else "flower"]
-    text = CLIENT_APP.format(impl=impl, make_app=make, keep=keep, load="{load}")
-    (pkg / "client_app.py").write_text(text.replace("{load}", load))
+    load = LOAD[
+        "ndarrays" if impl in ("rankexec-ndarrays", "rankexec-shared") else "flower"
+    ]
+    reply = "reply = ArrayRecord(_model)"
+    if impl == "rankexec-shared":
+        reply = "from rankexec.flower import shared_array_record\n\n    reply = shared_array_record(_model)"
+    text = CLIENT_APP.format(
+        impl=impl, make_app=make, keep=keep, load="{load}", reply="{reply}"
+    )
+    (pkg / "client_app.py").write_text(
+        text.replace("{load}", load).replace("{reply}", reply)
+    )
     return app
 
 

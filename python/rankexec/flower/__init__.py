@@ -15,7 +15,9 @@ Every rank of the node's group runs the handler with torchrun's environment (``R
 the ranks, and the app module's globals, live from one message to the next). Every rank
 receives the message; rank 0's returned ``Message`` is the reply and its
 ``context.state`` is kept. ``ArrayRecord`` payloads arrive as read-only views of one
-copy in shared memory (``ndarrays(record)`` reads them without a copy).
+copy in shared memory (``ndarrays(record)`` reads them without a copy), and a reply
+built with ``shared_array_record(state_dict)`` leaves rank 0 as one memory file, its
+tensors copied once, straight into it.
 
 How: Flower runs each message in a new ``flwr-clientapp`` process. This class's
 ``__call__`` forwards the message to the node's rankexec host
@@ -33,7 +35,7 @@ site's decision, from ``--node-config`` and a site file (``rankexec.flower._site
 Modules: ``_app`` (the ClientApp), ``_start`` (finding or starting the node's host),
 ``host`` (the host: the site's authority, the runs' groups), ``_site`` (the site's
 rules), ``_channel`` (the authenticated socket), ``_rank`` (the rank component),
-``_codec`` (messages to buffers), ``_arrays`` (``ndarrays``), ``_state``
+``_codec`` (messages to buffers), ``_arrays`` (``ndarrays``, ``shared_array_record``), ``_state``
 (``abort_requested``), ``_server`` (``close_groups``), ``_control`` (the SuperLink's
 Control API), ``deployment`` (a local Deployment Engine for tests).
 
@@ -44,7 +46,7 @@ only. Custom ``mods`` run on the ranks, around the handler.
 from __future__ import annotations
 
 from rankexec.flower._app import ClientApp
-from rankexec.flower._arrays import ndarrays
+from rankexec.flower._arrays import ndarrays, shared_array_record
 from rankexec.flower._channel import ChannelError
 from rankexec.flower._server import CLOSE_MESSAGE_TYPE, close_groups
 from rankexec.flower._site import SiteError
@@ -61,6 +63,7 @@ __all__ = [
     "close_groups",
     "host_status",
     "ndarrays",
+    "shared_array_record",
 ]
 
 TESTED_FLOWER = "1.42.0"

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from rankexec.flower import CLOSE_MESSAGE_TYPE
@@ -24,33 +24,40 @@ from rankexec.flower import CLOSE_MESSAGE_TYPE
 APP = """
 import os
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from rankexec.flower import ClientApp, ndarrays
+from rankexec.flower import ClientApp, ndarrays, shared_array_record
 
 app = ClientApp(num_of_processes=2, deadlines={"startup": "120s", "task": "120s"})
 
 
-def _where(address):
+def _mapping(address):
+    # The path and inode of the mapping that holds `address`.
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             if lo <= address < hi:
-                return parts[5].strip() if len(parts) > 5 else ""
-    return ""
+                return (parts[5].strip() if len(parts) > 5 else ""), int(parts[4])
+    return "", 0
 
 
 @app.train()
 def train(msg, context):
     arrays = ndarrays(msg.content["arrays"])
-    places = sorted({_where(a.ctypes.data) for a in arrays})
+    places = sorted({_mapping(a.ctypes.data)[0] for a in arrays})
     files = sorted({os.stat(p).st_ino for p in
                     (f"/proc/self/map_files/{line.split()[0]}" for line in
                      open("/proc/self/maps") if "memfd:rankexec-py-blob" in line)} or {0})
-    out = ArrayRecord([a + 1 for a in arrays])
-    info = ConfigRecord({"places": places, "n": len(arrays), "rank": int(os.environ["RANK"])})
-    return Message(RecordDict({"arrays": out, "info": info}), reply_to=msg)
+    info = {"places": places, "n": len(arrays), "rank": int(os.environ["RANK"])}
+    if "how" in msg.content and msg.content["how"]["reply"] == "shared":
+        out = shared_array_record([a + 1 for a in arrays])
+        first = next(iter(out.values()))
+        info["inode"] = _mapping(np.frombuffer(first.data, dtype=np.uint8).ctypes.data)[1]
+    else:
+        out = ArrayRecord([a + 1 for a in arrays])
+    return Message(RecordDict({"arrays": out, "info": ConfigRecord(info)}), reply_to=msg)
 """
 
 
@@ -71,14 +78,15 @@ def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     sys.modules.pop("bigapp", None)
 
 
-def _where(address: int) -> str:
+def _mapping(address: int) -> tuple[str, int]:
+    """The path and inode of the mapping that holds `address` (as the app's twin)."""
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             if lo <= address < hi:
-                return parts[5].strip() if len(parts) > 5 else ""
-    return ""
+                return (parts[5].strip() if len(parts) > 5 else ""), int(parts[4])
+    return "", 0
 
 
 def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(app) -> None:
@@ -108,7 +116,7 @@ def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(ap
             assert a[0] == i + 1 and a[-1] == i + 1, key
             # Flower's Array.data here is a view of rank 0's memory file.
             address = np.frombuffer(arr.data, dtype=np.uint8).ctypes.data
-            assert "memfd:rankexec-py-blob" in _where(address), (key, _where(address))
+            assert "memfd:rankexec-py-blob" in _mapping(address)[0], (key, _mapping(address))
         # A second message on the same group works the same way.
         msg2 = Message(
             RecordDict({"arrays": ArrayRecord(arrays[:3])}), dst_node_id=node, message_type="train"
@@ -116,6 +124,42 @@ def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(ap
         reply2 = app(msg2, ctx)
         assert not reply2.has_error(), reply2.error
         assert reply2.content["info"]["n"] == 3
+    finally:
+        close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+        app(close, ctx)
+
+
+def test_a_reply_made_with_shared_array_record_leaves_rank_0_as_its_own_file(app) -> None:
+    """Rank 0's ``shared_array_record`` is the file the ClientApp maps: the reply is not
+    copied again on its way out (with ``ArrayRecord(...)`` rank 0 copies Flower's bytes
+    into a new file, so the inodes differ; checked in the same run)."""
+    node, run = 8, 52
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run, 0, 1
+    arrays = [np.full(300_000 + i, i, dtype=np.float16) for i in range(12)]  # 7 MiB
+    ctx = Context(run, node, {"rankexec-lease": 30.0}, RecordDict(), {})
+
+    def ask(reply: str) -> Message:
+        content = {"arrays": ArrayRecord(arrays), "how": ConfigRecord({"reply": reply})}
+        msg = Message(RecordDict(content), dst_node_id=node, message_type="train")
+        out = app(msg, ctx)
+        assert not out.has_error(), out.error
+        return out
+
+    try:
+        shared = ask("shared")
+        info = shared.content["info"]
+        assert info["rank"] == 0 and info["inode"] > 0
+        back = shared.content["arrays"]
+        assert list(back.keys()) == [str(i) for i in range(12)]
+        for i, arr in enumerate(back.values()):
+            a = arr.numpy()
+            assert a.dtype == np.float16 and a.shape == (300_000 + i,)
+            assert a[0] == i + 1 and a[-1] == i + 1
+            address = np.frombuffer(arr.data, dtype=np.uint8).ctypes.data
+            assert _mapping(address)[1] == info["inode"], "rank 0's own file, mapped here"
+        copied = ask("flower")
+        address = np.frombuffer(next(iter(copied.content["arrays"].values())).data, np.uint8)
+        assert _mapping(address.ctypes.data)[1] not in (0, info["inode"])
     finally:
         close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
         app(close, ctx)

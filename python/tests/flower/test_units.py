@@ -100,6 +100,54 @@ def test_arrays_sharing_one_buffer_travel_once() -> None:
     np.testing.assert_array_equal(cback.state["w"]["kept"].numpy(), 0)
 
 
+def test_shared_array_record_holds_npy_bytes_in_one_sealed_file() -> None:
+    """What Flower's ``ArrayRecord`` would hold, byte for byte, every dtype as it is, in
+    one memory file that staging passes on without a copy; bfloat16 and objects are
+    refused naming the key."""
+    import io
+
+    import torch
+
+    from rankexec.flower import shared_array_record
+
+    state = {
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "h": torch.full((5,), 1.5, dtype=torch.float16),
+        "q": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "u": torch.tensor([0, 255], dtype=torch.uint8),
+        "t": torch.arange(6, dtype=torch.float64).reshape(2, 3).t(),  # not contiguous
+        "s": torch.tensor(7, dtype=torch.int64),  # 0-d
+    }
+    record = shared_array_record(state)
+    assert list(record.keys()) == list(state)
+    files = set()
+    for key, arr in record.items():
+        want = state[key].numpy()
+        assert type(arr.data).__name__ == "Blob", key
+        assert arr.dtype == str(want.dtype) and tuple(arr.shape) == want.shape, key
+        np.testing.assert_array_equal(arr.numpy(), want)
+        if want.flags.c_contiguous:
+            expected = io.BytesIO()
+            np.save(expected, want, allow_pickle=False)
+            assert bytes(memoryview(arr.data)) == expected.getvalue(), key
+        files.add(arr.data.inode)
+    assert len(files) == 1, "one memory file for the whole record"
+    back = record.to_torch_state_dict()
+    for key, tensor in state.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    views = ndarrays(shared_array_record([np.ones((2, 2), np.float32)]))
+    assert views[0].tolist() == [[1, 1], [1, 1]] and not views[0].flags.writeable
+    # A reply made this way goes through staging as it is: nothing to copy.
+    msg = Message(RecordDict({"arrays": record}), dst_node_id=5, message_type="train")
+    blobs: dict = {}
+    _codec.encode_message(msg, blobs)
+    assert stage_releasing(blobs, 1) == 0
+    with pytest.raises(TypeError, match="'b16' is torch.bfloat16"):
+        shared_array_record({"b16": torch.ones(2, dtype=torch.bfloat16)})
+    with pytest.raises(TypeError, match="'0' holds Python objects"):
+        shared_array_record([np.array([object()])])
+
+
 def _serve_once(
     directory: Path, secret: bytes, result: list
 ) -> tuple[socket.socket, threading.Thread]:
