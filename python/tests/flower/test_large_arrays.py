@@ -32,6 +32,17 @@ from rankexec.flower import ClientApp, ndarrays, shared_array_record
 app = ClientApp(num_of_processes=2, deadlines={"startup": "120s", "task": "120s"})
 
 
+_kept = []
+
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _mapping(address):
     # The path and inode of the mapping that holds `address`.
     with open("/proc/self/maps") as f:
@@ -50,8 +61,20 @@ def train(msg, context):
     files = sorted({os.stat(p).st_ino for p in
                     (f"/proc/self/map_files/{line.split()[0]}" for line in
                      open("/proc/self/maps") if "memfd:rankexec-py-blob" in line)} or {0})
-    info = {"places": places, "n": len(arrays), "rank": int(os.environ["RANK"])}
-    if "how" in msg.content and msg.content["how"]["reply"] == "shared":
+    info = {"places": places, "n": len(arrays), "rank": int(os.environ["RANK"]), "pid": os.getpid()}
+    if "how" in msg.content and msg.content["how"]["reply"] == "churn":
+        # A handler's transient tensors, freed before it returns (1-32 MiB: glibc's heap
+        # keeps them resident; the small ones kept alive hold its holes open).
+        info["anon_in"] = _status("RssAnon")
+        np.ones(16 << 20, dtype=np.uint8)  # glibc's mmap threshold rises, as after any round
+        scratch = []
+        for i in range(48):
+            scratch.append(np.full(8 << 20, i, dtype=np.uint8))
+            _kept.append(np.ones(256 << 10, dtype=np.uint8))
+        info["anon_peak"] = _status("RssAnon")
+        del scratch
+        out = shared_array_record([np.ones(4, np.float32)])
+    elif "how" in msg.content and msg.content["how"]["reply"] == "shared":
         out = shared_array_record([a + 1 for a in arrays])
         first = next(iter(out.values()))
         info["inode"] = _mapping(np.frombuffer(first.data, dtype=np.uint8).ctypes.data)[1]
@@ -160,6 +183,36 @@ def test_a_reply_made_with_shared_array_record_leaves_rank_0_as_its_own_file(app
         copied = ask("flower")
         address = np.frombuffer(next(iter(copied.content["arrays"].values())).data, np.uint8)
         assert _mapping(address.ctypes.data)[1] not in (0, info["inode"])
+    finally:
+        close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+        app(close, ctx)
+
+
+def test_what_a_handler_freed_leaves_the_rank(app) -> None:
+    """A handler's transient tensors (1-32 MiB, glibc's heap) are given back to the
+    kernel once it returns, also when its reply needs no staging
+    (``shared_array_record``): rank 0 does not carry them into the next round."""
+    node, run = 9, 53
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run, 0, 1
+    ctx = Context(run, node, {"rankexec-lease": 30.0}, RecordDict(), {})
+    content = {
+        "arrays": ArrayRecord([np.ones(8, np.float32)]),
+        "how": ConfigRecord({"reply": "churn"}),
+    }
+    msg = Message(RecordDict(content), dst_node_id=node, message_type="train")
+    try:
+        out = app(msg, ctx)
+        assert not out.has_error(), out.error
+        info = out.content["info"]
+        with open(f"/proc/{info['pid']}/status") as f:
+            after = next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon:"))
+        mib = {
+            k: (v - info["anon_in"]) / (1 << 20)
+            for k, v in (("peak", info["anon_peak"]), ("after", after))
+        }
+        print(f"\n[heap] rank 0's anonymous memory above the handler's start, MiB: {mib}")
+        assert mib["peak"] >= 360, mib  # 384 MiB allocated
+        assert mib["after"] < 64, mib  # and given back once the handler returned
     finally:
         close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
         app(close, ctx)
