@@ -54,6 +54,7 @@ fn every_hostile_input_is_refused_and_ranks_keep_working() {
         &script,
         format!(
             "#!/bin/sh\nsecret=$(cat /dev/fd/$RANKEXEC_SECRET_FD)\n\
+             echo $$ > {d}/pid.$RANKEXEC_RANK.tmp && mv {d}/pid.$RANKEXEC_RANK.tmp {d}/pid.$RANKEXEC_RANK\n\
              [ \"$RANKEXEC_RANK\" = 0 ] && {{ env; echo RANKEXEC_SECRET=$secret; }} > {e}.tmp && mv {e}.tmp {e}\n\
              while [ ! -e {d}/go ]; do sleep 0.01; done\n\
              RANKEXEC_SECRET=$secret exec env -u RANKEXEC_SECRET_FD {w}\n",
@@ -80,6 +81,26 @@ fn every_hostile_input_is_refused_and_ranks_keep_working() {
         assert!(std::time::Instant::now() < deadline, "rank 0 never started");
         std::thread::sleep(Duration::from_millis(10));
     }
+    // Both ranks are held from here: a failing assertion below kills them (through
+    // pidfds) instead of leaving them waiting for the go-ahead.
+    let pid_file = |rank: u32| dir.path().join(format!("pid.{rank}"));
+    while !(pid_file(0).exists() && pid_file(1).exists()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let rank_pids: Vec<u32> = (0..2)
+        .map(|r| {
+            std::fs::read_to_string(pid_file(r))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let _ranks = Held::new(&rank_pids);
     let env = std::fs::read_to_string(&env_file).unwrap();
     let var = |k: &str| {
         env.lines()
@@ -175,7 +196,7 @@ fn every_hostile_input_is_refused_and_ranks_keep_working() {
     expect_log("rank 7 is outside world size 2");
 
     // A peer of another user. The run directory is private, so the kernel refuses the
-    // connection first; with the directory opened up (a misconfiguration), the
+    // connection first; with the socket reachable anyway (a misconfiguration), the
     // executor's own SO_PEERCRED check refuses it.
     if nix::unistd::geteuid().is_root() {
         use std::os::unix::process::CommandExt;
@@ -183,13 +204,12 @@ fn every_hostile_input_is_refused_and_ranks_keep_working() {
             Endpoint::Local(p) => p.clone(),
             Endpoint::Tcp(_) => unreachable!(),
         };
-        let run_dir = sock.parent().unwrap().to_owned();
-        let other_user = |what: &str| {
+        let other_user = |what: &str, endpoint: &str| {
             let out = std::process::Command::new(worker_bin())
                 .env_clear()
                 .env("RANKEXEC_RANK", "1")
                 .env("RANKEXEC_WORLD_SIZE", "2")
-                .env("RANKEXEC_ENDPOINT", endpoint.to_string())
+                .env("RANKEXEC_ENDPOINT", endpoint)
                 .env("RANKEXEC_SECRET", secret.to_hex())
                 .env("RANKEXEC_LAUNCH_ID", &launch_id)
                 .env("RANKEXEC_CONNECT_TIMEOUT_MS", "3000")
@@ -204,18 +224,25 @@ fn every_hostile_input_is_refused_and_ranks_keep_working() {
             );
             String::from_utf8_lossy(&out.stderr).into_owned()
         };
-        let denied = other_user("private run dir");
+        let denied = other_user("private run dir", &endpoint.to_string());
         assert!(
             denied.contains("cannot connect the exec channel"),
             "{denied}"
         );
-        let base = run_dir.parent().unwrap().to_owned();
-        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o711)).unwrap();
-        std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+        // Reached through a hard link in a folder of the test's own that others may
+        // enter, not by opening the run directory's parent: that folder is this user's
+        // base for every rankexec, which any group starting meanwhile (another suite,
+        // a job) makes private again, and the kernel would refuse the peer first.
+        let base = sock.parent().and_then(|d| d.parent()).unwrap();
+        let open = tempfile::Builder::new()
+            .prefix("rx-open")
+            .tempdir_in(base.parent().unwrap())
+            .unwrap();
+        std::fs::set_permissions(open.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
         std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let refused = other_user("opened run dir");
-        std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let link = open.path().join("ctl.sock");
+        std::fs::hard_link(&sock, &link).unwrap();
+        let refused = other_user("socket reached", &format!("local:{}", link.display()));
         assert!(refused.contains("handshake"), "{refused}");
         expect_log("refused connection: peer runs as uid 65534, not 0");
     } else {
