@@ -24,13 +24,25 @@ from typing import Any
 
 from rankexec._rankexec import SharedBuffer, trim_heap
 
-__all__ = ["STAGE_FROM", "stage_releasing"]
+__all__ = ["STAGE_FROM", "page_offsets", "stage_releasing"]
 
 #: Buffers of this size and up go to the memory file.
 STAGE_FROM = 1 << 20
 _PAGE = mmap.PAGESIZE
 #: Bytes released between two trims of the C heap.
 _TRIM_EVERY = 64 << 20
+
+
+def page_offsets(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Where each buffer of ``sizes`` starts in one memory file (each at a page
+    boundary, so a rank can map it on its own) and the file's size."""
+    offsets: dict[str, int] = {}
+    total = 0
+    for name, size in sizes.items():
+        total = -(-total // _PAGE) * _PAGE
+        offsets[name] = total
+        total += size
+    return offsets, total
 
 
 def stage_releasing(
@@ -57,12 +69,7 @@ def stage_releasing(
                 sizes[name] = view.nbytes
     if not sizes:
         return 0
-    offsets: dict[str, int] = {}
-    total = 0
-    for name, size in sizes.items():
-        total = -(-total // _PAGE) * _PAGE
-        offsets[name] = total
-        total += size
+    offsets, total = page_offsets(sizes)
     buf = SharedBuffer(total)
     released = 0
     with memoryview(buf) as whole:

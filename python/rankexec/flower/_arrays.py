@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import io
-import mmap
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,10 +28,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 
 from rankexec._rankexec import SharedBuffer
+from rankexec._staging import page_offsets
 
 __all__ = ["ndarrays", "shared_array_record"]
-
-_PAGE = mmap.PAGESIZE
 
 
 def ndarrays(record: ArrayRecord) -> list[np.ndarray]:
@@ -103,28 +101,26 @@ def shared_array_record(arrays: Mapping[str, Any] | Sequence[np.ndarray]) -> Arr
         items = [(str(k), _as_numpy(str(k), v)) for k, v in arrays.items()]
     else:
         items = [(str(i), _as_numpy(str(i), v)) for i, v in enumerate(arrays)]
-    headers = [_npy_header(a) for _, a in items]
-    offsets = []
-    total = 0
-    for (_, a), header in zip(items, headers, strict=True):
-        total = -(-total // _PAGE) * _PAGE
-        offsets.append(total)
-        total += len(header) + a.nbytes
+    headers = {key: _npy_header(a) for key, a in items}
+    offsets, total = page_offsets({key: len(headers[key]) + a.nbytes for key, a in items})
     buf = SharedBuffer(max(total, 1))
     with memoryview(buf) as whole:
         dst = whole.cast("B")
-        for (_, a), header, at in zip(items, headers, offsets, strict=True):
+        for key, a in items:
+            at, header = offsets[key], headers[key]
             dst[at : at + len(header)] = header
-            data = at + len(header)
-            target = np.frombuffer(dst, dtype=a.dtype, count=a.size, offset=data)
+            target = np.frombuffer(dst, dtype=a.dtype, count=a.size, offset=at + len(header))
             np.copyto(target.reshape(a.shape), a, casting="no")
             del target
         dst.release()
     sealed = buf.seal()
     record = ArrayRecord()
-    for (key, a), header, at in zip(items, headers, offsets, strict=True):
+    for key, a in items:
+        size = len(headers[key]) + a.nbytes
         arr = Array(dtype=str(a.dtype), shape=tuple(a.shape), stype="numpy.ndarray", data=b"")
-        # Flower's constructor insists on `bytes`; every reader takes any buffer.
-        arr.data = sealed.slice(at, len(header) + a.nbytes)  # type: ignore[assignment]
+        # Flower's constructor insists on `bytes`; every reader takes any buffer. The
+        # Blob itself, not a view of it (codec's `_array`): staging passes Blobs on as
+        # they are.
+        arr.data = sealed.slice(offsets[key], size)  # type: ignore[assignment]
         record[key] = arr
     return record
