@@ -7,6 +7,8 @@ reaches the ClientApp as its memory file, mapped, not copied. This process plays
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +22,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from rankexec.flower import CLOSE_MESSAGE_TYPE
+
+from .helpers import pids_with_env, wait_until
 
 APP = """
 import os
@@ -99,6 +103,13 @@ def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield mod.app
     sys.modules.pop("bigapp.client_app", None)
     sys.modules.pop("bigapp", None)
+    # The node's host outlives its group by its idle lease (300 s): stop it, and
+    # anything else of this test's folder, by SIGTERM (each pid verified by the test's
+    # own folder in its environment), then wait until none is left.
+    mine = str(tmp_path / "rx")
+    for pid in pids_with_env(mine):
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pids_with_env(mine), 30, "this test's host to exit")
 
 
 def _mapping(address: int) -> tuple[str, int]:
