@@ -87,4 +87,7 @@ def init(on_event: Callable[[str, Context], None] | None = None) -> Rank:
     if len(sys.argv) > 1 and sys.argv[1] == "--list-components":
         print("[]")
         sys.exit(0)
+    from rankexec._torchrun import export
+
+    export()  # torchrun's RANK, LOCAL_RANK, ... under mpirun and srun too
     return _rankexec.start("script", on_event)

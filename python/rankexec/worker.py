@@ -19,6 +19,7 @@ from typing import Any
 
 from rankexec import _rankexec
 from rankexec._rankexec import ReplyError
+from rankexec._torchrun import export
 
 __all__ = ["main", "serve"]
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args:
         return _rankexec.worker_cli(args)
+    export()  # torchrun's RANK, LOCAL_RANK, ... under mpirun and srun too
     return serve(_rankexec.start("components"))
 
 

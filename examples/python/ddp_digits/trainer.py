@@ -65,8 +65,8 @@ class DigitsDDP:
         # The component is built on the thread that runs its tasks and events (the
         # rank's main thread), so the CUDA device chosen here holds in `execute`.
         if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            self.device = torch.device("cuda", local % torch.cuda.device_count())
+            # torchrun's convention: device LOCAL_RANK is the GPU placed for this rank.
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
             backend = "nccl"
         else:

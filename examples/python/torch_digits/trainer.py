@@ -90,7 +90,7 @@ class DigitsTrainer:
     ) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(local_rank)  # torchrun's numbering: the rank's own GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
             backend = "nccl"
         else:

@@ -252,18 +252,8 @@ impl Admission {
                 let pid = std::process::id();
                 let mut gpu = BTreeMap::new();
                 if need_gpu > 0 {
-                    for (i, dev) in placement
-                        .visible_devices(world, self.cfg.gpu.mode)
-                        .into_iter()
-                        .enumerate()
-                    {
-                        if let Some(dev) = dev.filter(|d| !d.is_empty()) {
-                            let uuid = match &placement {
-                                Placement::Shared { uuids } => uuids[i % uuids.len()].clone(),
-                                _ => dev,
-                            };
-                            *gpu.entry(uuid).or_default() += need_gpu;
-                        }
+                    for uuid in (0..world).filter_map(|r| placement.gpu_of(r)) {
+                        *gpu.entry(uuid.to_owned()).or_default() += need_gpu;
                     }
                 }
                 Entry {
@@ -491,9 +481,15 @@ mod tests {
             .iter()
             .map(|m| m["CUDA_VISIBLE_DEVICES"].clone())
             .collect();
-        assert_eq!(devs, ["GPU-0", "GPU-1"]);
+        // torchrun's numbering: both see both, in rank order.
+        assert_eq!(devs, ["GPU-0,GPU-1", "GPU-0,GPU-1"]);
         let entries = l.entries().unwrap();
         assert_eq!(entries[0].gpu.values().sum::<u64>(), 16 * GIB);
+        assert_eq!(
+            entries[0].gpu.get("GPU-1"),
+            Some(&(8 * GIB)),
+            "one rank's share each"
+        );
         let mut too_many =
             Admission::with_probes(cfg(3, None, None), gpus.clone(), host(64, 40), l.clone());
         assert!(matches!(

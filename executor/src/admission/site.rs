@@ -319,6 +319,6 @@ mod tests {
             .iter()
             .map(|m| m["CUDA_VISIBLE_DEVICES"].clone())
             .collect();
-        assert_eq!(devs, ["0", "1"]);
+        assert_eq!(devs, ["0,1", "0,1"], "torchrun numbering inside the grant");
     }
 }

@@ -259,9 +259,16 @@ impl Default for RestartPolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum GpuMode {
-    /// One GPU per rank (`CUDA_VISIBLE_DEVICES` = that GPU's UUID), best fit by free memory.
+    /// One GPU per rank, best fit by free memory, with torchrun's numbering: every
+    /// rank sees the group's GPUs (`CUDA_VISIBLE_DEVICES` = their UUIDs in rank order),
+    /// so device index `LOCAL_RANK` is the GPU placed for that rank and
+    /// `torch.cuda.set_device(LOCAL_RANK)` works unchanged.
     #[default]
     PerRank,
+    /// One GPU per rank, placed as `per_rank`, but each rank sees only its own
+    /// (`CUDA_VISIBLE_DEVICES` = that GPU's UUID): every rank's device is `cuda:0`, and
+    /// `set_device(LOCAL_RANK)` fails on every rank but 0. Builtin launcher only.
+    Isolated,
     /// Every rank sees every GPU and picks by `LOCAL_RANK`.
     Shared,
     /// Every rank sees the GPUs in `devices`.
@@ -276,7 +283,7 @@ pub enum GpuMode {
 pub struct GpuConfig {
     /// The placement mode.
     pub mode: GpuMode,
-    /// GPU indices or UUIDs (`list` mode, or to restrict `per_rank`/`shared`).
+    /// GPU indices or UUIDs (`list` mode, or to restrict `per_rank`/`isolated`/`shared`).
     pub devices: Vec<String>,
     /// Fail instead of running CPU ranks when there is no GPU.
     pub require_gpu: bool,

@@ -199,6 +199,16 @@ impl ExecutorConfig {
                 ));
             }
         }
+        if self.gpu.mode == GpuMode::Isolated
+            && !matches!(self.launcher, super::LauncherConfig::Builtin)
+        {
+            return Err(ConfigError::new(
+                "gpu.mode",
+                "isolated needs the builtin launcher: an external launcher starts every rank \
+                 with one environment, so each rank sees the group's GPUs and picks by \
+                 LOCAL_RANK (per_rank)",
+            ));
+        }
         if self.gpu.mode == GpuMode::List && self.gpu.devices.is_empty() {
             return Err(ConfigError::new(
                 "gpu.devices",

@@ -7,9 +7,16 @@
 //! - a GPU *fits* a load of `need` bytes when, after subtracting what other executors
 //!   reserved and `need`, its free memory is at least `floor` and its used share is at
 //!   most `ratio`;
-//! - **per_rank**: each rank gets its own GPU, `CUDA_VISIBLE_DEVICES=<uuid>`. Ranks take
-//!   the fitting GPUs with the *least* headroom first (best fit), leaving the roomiest
-//!   GPUs for larger requests. More ranks than GPUs is a configuration error;
+//! - **per_rank**: each rank gets its own GPU. Ranks take the fitting GPUs with the
+//!   *least* headroom first (best fit), leaving the roomiest GPUs for larger requests.
+//!   More ranks than GPUs is a configuration error. Every rank sees the group's GPUs in
+//!   rank order (`CUDA_VISIBLE_DEVICES=<uuid of rank 0>,<uuid of rank 1>,...`), so CUDA
+//!   index `LOCAL_RANK` is the rank's own GPU: torchrun's convention, which
+//!   `set_device(LOCAL_RANK)`, `DDP(device_ids=[local_rank])`, Lightning and Hugging
+//!   Face rely on;
+//! - **isolated**: placed as per_rank, but each rank sees only its own GPU
+//!   (`CUDA_VISIBLE_DEVICES=<uuid>`, device `cuda:0` everywhere). The trap: scripts
+//!   that call `set_device(LOCAL_RANK)` fail on every rank but 0;
 //! - **shared**: every rank sees every (listed) GPU and picks one by `LOCAL_RANK`;
 //!   GPU `i` carries the ranks `r` with `r % n == i`, and must fit all of them;
 //! - **list**: like shared, over exactly the listed GPUs;
@@ -43,14 +50,30 @@ pub enum Placement {
 
 impl Placement {
     /// `CUDA_VISIBLE_DEVICES` for each rank (`None`: leave it alone).
+    ///
+    /// In every mode but `isolated`, CUDA device index `r` within rank `r`'s list is the
+    /// GPU placed for rank `r` (with fewer GPUs than ranks in `shared`, `r % n`).
     pub fn visible_devices(&self, world: u32, mode: GpuMode) -> Vec<Option<String>> {
         match self {
             Placement::Cpu { .. } if mode == GpuMode::None => {
                 vec![Some(String::new()); world as usize]
             }
             Placement::Cpu { .. } => vec![None; world as usize],
-            Placement::PerRank { uuids } => uuids.iter().map(|u| Some(u.clone())).collect(),
+            Placement::PerRank { uuids } if mode == GpuMode::Isolated => {
+                uuids.iter().map(|u| Some(u.clone())).collect()
+            }
+            Placement::PerRank { uuids } => vec![Some(uuids.join(",")); uuids.len()],
             Placement::Shared { uuids } => vec![Some(uuids.join(",")); world as usize],
+        }
+    }
+
+    /// The UUID of the GPU placed for `rank` (`None`: a CPU rank).
+    pub fn gpu_of(&self, rank: u32) -> Option<&str> {
+        match self {
+            Placement::Cpu { .. } => None,
+            Placement::PerRank { uuids } => uuids.get(rank as usize).map(String::as_str),
+            Placement::Shared { uuids } if uuids.is_empty() => None,
+            Placement::Shared { uuids } => Some(&uuids[rank as usize % uuids.len()]),
         }
     }
 
@@ -84,7 +107,7 @@ pub struct PlacementRequest<'a> {
 /// A placement that can never work with this configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlacementError {
-    /// More ranks than GPUs in per-rank mode.
+    /// More ranks than GPUs in per-rank (or isolated) mode.
     #[error(
         "{world} ranks need {world} GPUs in per_rank mode, but only {available} are available ({list})"
     )]
@@ -206,7 +229,7 @@ pub fn place(
     }
     let reserved = |g: &GpuInfo| req.reserved.get(&g.uuid).copied().unwrap_or(0);
     match req.gpu.mode {
-        GpuMode::PerRank => {
+        GpuMode::PerRank | GpuMode::Isolated => {
             if req.world as usize > candidates.len() {
                 return Err(PlacementError::TooManyRanks {
                     world: req.world,
@@ -335,10 +358,63 @@ mod tests {
                 uuids: vec!["GPU-1".into(), "GPU-2".into()]
             }
         );
+        // torchrun's numbering: every rank sees the group's GPUs in rank order, so
+        // CUDA index LOCAL_RANK is the rank's own GPU.
         assert_eq!(
             p.visible_devices(2, cfg.mode),
+            vec![Some("GPU-1,GPU-2".into()), Some("GPU-1,GPU-2".into())]
+        );
+        assert_eq!(
+            (p.gpu_of(0), p.gpu_of(1), p.gpu_of(2)),
+            (Some("GPU-1"), Some("GPU-2"), None)
+        );
+        // Isolated: the same placement, each rank sees its own GPU alone.
+        let iso = GpuConfig {
+            mode: GpuMode::Isolated,
+            ..GpuConfig::default()
+        };
+        let q = place(&inv, &req(2, &iso, 8, &none)).unwrap().unwrap();
+        assert_eq!(q, p);
+        assert_eq!(
+            q.visible_devices(2, iso.mode),
             vec![Some("GPU-1".into()), Some("GPU-2".into())]
         );
+    }
+
+    #[test]
+    fn local_rank_indexes_the_placed_gpu_for_1_to_8_ranks() {
+        // Eight GPUs of distinct free memory: best fit orders them by headroom, which is
+        // neither the index order nor its reverse.
+        let free = [70, 24, 38, 18, 46, 30, 62, 54];
+        let inv = inv(free
+            .iter()
+            .enumerate()
+            .map(|(i, f)| gpu(i as u32, 80, *f))
+            .collect());
+        let none = BTreeMap::new();
+        let mut by_headroom: Vec<usize> = (0..8).collect();
+        by_headroom.sort_by_key(|i| free[*i]);
+        for world in 1..=8u32 {
+            for mode in [GpuMode::PerRank, GpuMode::Isolated] {
+                let cfg = GpuConfig {
+                    mode,
+                    ..GpuConfig::default()
+                };
+                let p = place(&inv, &req(world, &cfg, 1, &none)).unwrap().unwrap();
+                let visible = p.visible_devices(world, mode);
+                assert_eq!(visible.len(), world as usize);
+                for (rank, list) in visible.iter().enumerate() {
+                    let want = format!("GPU-{}", by_headroom[rank]);
+                    assert_eq!(p.gpu_of(rank as u32), Some(want.as_str()));
+                    let list: Vec<&str> = list.as_deref().unwrap().split(',').collect();
+                    let local_rank = if mode == GpuMode::Isolated { 0 } else { rank };
+                    assert_eq!(
+                        list[local_rank], want,
+                        "{world} ranks, {mode:?}, rank {rank}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

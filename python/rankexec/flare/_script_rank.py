@@ -14,8 +14,19 @@ imports no FLARE module of its own in the middle of the script's import.
 Meanwhile ``TaskFeed`` takes the rank's tasks from the runtime on a receiver thread:
 rank 0's (every rank's with ``all_ranks_receive``) wait in a queue for the script's
 ``flare.receive()``; any other rank's part of a task is answered at once (its script
-never sees one, as under FLARE). A script that never imports ``nvflare.client`` leaves
-rank 0's tasks waiting, as one that never calls ``flare.receive()`` would.
+never sees one, as under FLARE), and counted, so that the rank's ``flare.is_running()``
+says True once per task and False at the run's end (the loop of FLARE's Lightning
+example, whose first ``broadcast`` of it is a no-op, keeps every rank in step). A
+script that never imports ``nvflare.client`` leaves rank 0's tasks waiting, as one
+that never calls ``flare.receive()`` would.
+
+No silent hang: a script that returns while the run goes on (a rank that left its
+loop, while its peers wait for it in a collective) is not served on. The rank waits
+``END_GRACE`` seconds for the group's close (at the run's end every rank's script
+returns at about the same time), then ends with exit code 1 and an ``error.json`` that
+says what it did ("rank 1's script returned while the run goes on (its last task:
+`train`)"): the host reports it as the group's failure within seconds and applies its
+failure policy.
 
 Caveat: the hook wraps the loader of the ``nvflare.client`` package for the duration of
 its import only (the module's ``__loader__`` and ``__spec__.loader`` are the original
@@ -36,8 +47,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rankexec import _rankexec
+from rankexec._torchrun import export
 
-__all__ = ["ScriptEnded", "TaskFeed", "main"]
+__all__ = ["END_GRACE", "ScriptEnded", "TaskFeed", "TaskLeftUnanswered", "main"]
+
+#: Seconds a rank whose script returned waits for the group's close before it reports
+#: that the script left the run (see the module docs).
+END_GRACE = 5.0
 
 #: FLARE 2.9's names (``nvflare.client.api_spec.CLIENT_API_TYPE_KEY`` and
 #: ``nvflare.client.cell.bootstrap.BOOTSTRAP_FILE_ENV_VAR``), kept here so that the rank
@@ -49,7 +65,13 @@ CLIENT_PACKAGE = "nvflare.client"
 
 
 class ScriptEnded(RuntimeError):
-    """The script ended while its rank still held a task it had not answered."""
+    """The script ended while its rank still held a task it had not answered, or while
+    the run went on."""
+
+
+class TaskLeftUnanswered(RuntimeError):
+    """Rank 0 asked for the next task without sending a result for the one it held:
+    nothing would ever answer it (the round would hang), so it fails, naming it."""
 
 
 class TaskFeed:
@@ -64,6 +86,12 @@ class TaskFeed:
         self.closed = False
         self.ended = False  # the group closed (or the runtime failed)
         self.lock = threading.Lock()
+        # Tasks answered at once (ack_only), counted for is_running(): one True each.
+        self._arrived = threading.Condition()
+        self._seen = 0
+        self._taken = 0
+        self._over = threading.Event()  # the runtime delivered its last item
+        self.last_task: str | None = None  # the name of the latest task delivered
 
     def on_event(self, event: str, ctx: Any) -> None:
         """The rank's event handler: keeps a context to fire log events with."""
@@ -82,6 +110,7 @@ class TaskFeed:
                 task = rank.receive()
             except BaseException as e:  # noqa: BLE001 - handed to the script's thread
                 self.tasks.put(e)
+                self._finish()
                 return
             if task is None:
                 code = rank.exit_code
@@ -95,12 +124,39 @@ class TaskFeed:
                     # the group failed or the job ended. Nothing will take the result.
                     _end_now(1, f"the rank group closed during task `{held.name}`")
                 self.tasks.put(None)
+                self._finish()
                 return
             self.ctx = task.ctx
+            self.last_task = task.name
             if self.ack_only:
                 task.reply(meta={"rank_ack": True})
+                with self._arrived:
+                    self._seen += 1
+                    self._arrived.notify_all()
             else:
                 self.tasks.put(task)
+
+    def _finish(self) -> None:
+        with self._arrived:
+            self._over.set()
+            self._arrived.notify_all()
+
+    def next_acknowledged(self) -> bool:
+        """For a rank whose tasks are answered at once: waits for the next task (True)
+        or the run's end (False). Never waits past the end: the receiver thread always
+        delivers one (the group's close, or the runtime's failure)."""
+        with self._arrived:
+            while self._seen <= self._taken and not self._over.is_set():
+                self._arrived.wait()
+            if self._seen > self._taken:
+                self._taken += 1
+                return True
+            self.closed = self.ended = True
+            return False
+
+    def wait_for_close(self, grace: float) -> bool:
+        """After the script returned: whether the group closes within `grace` seconds."""
+        return self._over.wait(grace)
 
     def fail_pending(self, error: BaseException) -> bool:
         """Fails the unanswered task with `error`; returns whether there was one."""
@@ -114,17 +170,19 @@ class TaskFeed:
             return False
         return True
 
-    def serve_after_script(self, code: int) -> None:
-        """The script returned while the group lives on (a rank other than 0 that left
-        its loop, as under torchrun): the rank stays until the group closes, answering
-        tasks (rank 0's and every ``all_ranks_receive`` rank's fail: nobody serves them)."""
-        if self.ended:
+    def after_script(self, group_rank: int, grace: float = END_GRACE) -> None:
+        """The script returned. At the run's end that is what every rank does; while the
+        run goes on nothing serves this rank's part any more and its peers may wait for
+        it in a collective: after `grace` seconds without the group's close, the rank
+        ends with an error that says so (see the module docs)."""
+        if self.ended or self.wait_for_close(grace):
             return
-        self.closed = True
-        while (item := self.tasks.get()) is not None:
-            if isinstance(item, BaseException):
-                return
-            item.fail(ScriptEnded(f"the script on this rank ended (exit code {code})"))
+        last = self.last_task
+        what = f"its last task: `{last}`" if last is not None else "before any task"
+        error = ScriptEnded(f"rank {group_rank}'s script returned while the run goes on ({what})")
+        self.fail_pending(error)
+        _error_file(error)
+        _end_now(1, str(error))
 
 
 class _Then(importlib.abc.Loader):
@@ -227,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": True, "errors": []}) if args[0] == "--check-components" else "[]")
         return 0
     cwd, config, script, script_args = _parse(args)
+    export()  # torchrun's RANK, LOCAL_RANK, ... under mpirun and srun too
     group_rank = int(os.environ.get("RANK", "0"))
     feed = TaskFeed(ack_only=group_rank != 0 and not config.get("all_ranks_receive", False))
     rank = _rankexec.start("script", feed.on_event)
@@ -271,5 +330,5 @@ def main(argv: list[str] | None = None) -> int:
     ):
         code = code or 1
     if code == 0:
-        feed.serve_after_script(code)
+        feed.after_script(group_rank)
     return code

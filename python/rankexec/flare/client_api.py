@@ -14,12 +14,22 @@ overrides every call; tested with nvflare 2.9.0 (``TESTED_FLARE``).
 
 Rank semantics are FLARE's (``nvflare/client/cell/api.py``): rank 0 (the rank given
 to ``flare.init``, else ``RANK``) receives tasks; on other ranks ``receive()`` returns
-None, ``is_running()`` False, ``send()`` does nothing and ``get_task_name``,
-``is_train``, ``is_evaluate``, ``is_submit_model`` and ``log`` raise. Their part of each
-rankexec task is answered at once by a receiver thread. With ``all_ranks_receive``
-every rank receives the model (copy-on-write views of the same shared memory) and
-sees the same ``is_running()``; a rank's task is answered by its ``send()`` (only rank
-0's result counts) or at its next ``receive()``/``is_running()``.
+None, ``send()`` does nothing and ``get_task_name``, ``is_train``, ``is_evaluate``,
+``is_submit_model`` and ``log`` raise. Their part of each rankexec task is answered at
+once by a receiver thread. Their ``is_running()`` follows the run, not FLARE's
+constant: True once for each task the group is sent, False at the run's end, so a loop
+``while flare.is_running()`` on every rank (FLARE's Lightning example, whose first
+``strategy.broadcast`` is a no-op before Lightning sets up the process group) runs one
+iteration per task on every rank and ends on every rank. With ``all_ranks_receive``
+every rank receives the model (copy-on-write views of the same shared memory); a
+rank's task is answered by its ``send()`` (only rank 0's result counts) or when it asks
+for the next one (``receive()``/``is_running()``), whether or not it still holds the
+model (Lightning's callback clears it).
+
+Rank 0 asking for the next task while it holds one it never sent a result for (a
+``clear()`` and no ``send()``, a task kind the script's loop does not answer) would
+wait forever while the host waits for that result: the held task fails instead with
+``TaskLeftUnanswered``, naming it, and the script gets the next task.
 
 Failures and ends:
 
@@ -56,10 +66,17 @@ from nvflare.fuel.data_event.data_bus import DataBus
 
 from rankexec import TaskAborted
 from rankexec._rankexec import SharedBuffer
-from rankexec.flare._script_rank import ScriptEnded, TaskFeed
+from rankexec.flare._script_rank import ScriptEnded, TaskFeed, TaskLeftUnanswered
 from rankexec.flare.arrays import Unsendable, pack_flat, plain, unpack_flat
 
-__all__ = ["LOG_EVENT", "TESTED_FLARE", "RankClientAPI", "ScriptEnded", "install"]
+__all__ = [
+    "LOG_EVENT",
+    "TESTED_FLARE",
+    "RankClientAPI",
+    "ScriptEnded",
+    "TaskLeftUnanswered",
+    "install",
+]
 
 #: The nvflare versions this hook is tested with.
 TESTED_FLARE = ("2.9.0",)
@@ -178,7 +195,26 @@ class RankClientAPI(InProcessClientAPI):
             self.receive_called = True
         return model
 
+    def _leave_task(self) -> None:
+        """Before waiting for the next task: the one this rank still holds is over."""
+        if self._task is None:
+            return
+        if not self._is_control():
+            self._answer_unsent()  # its part is done: only rank 0's result counts
+            return
+        name = self._task_name
+        error = TaskLeftUnanswered(
+            f"rank 0 asked for the next task without sending a result for task `{name}`"
+            " (flare.send() was not called for it)"
+        )
+        if self.fail_pending(error):
+            print(f"rankexec: {error}; the task fails", file=sys.stderr)
+        self.fl_model = None
+        self.receive_called = False
+        self._fresh = False
+
     def _next(self, timeout: float | None) -> FLModel | None:
+        self._leave_task()
         while True:
             try:
                 item = self._feed.tasks.get(timeout=timeout)
@@ -286,8 +322,11 @@ class RankClientAPI(InProcessClientAPI):
             blobs[name] = sealed.slice(at, raw.nbytes)
 
     def is_running(self) -> bool:
-        if not self._receives() or self._closed:
+        if self._closed:
             return False
+        if not self._receives():
+            # A rank whose part is answered at once: True once per task, False at the end.
+            return self._feed.ack_only and self._feed.next_acknowledged()
         if not self._is_control():
             if self.fl_model is not None and not self._fresh:
                 self._answer_unsent()

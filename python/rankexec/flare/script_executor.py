@@ -185,10 +185,12 @@ class ScriptExecutor(MultiProcessExecutor):
             restart=restart,
             relay_events=relay_events,
             abort_poll_interval=abort_poll_interval,
-            # As under FLARE, only rank 0's script receives tasks: the other ranks are
-            # not sent them at all (unless every rank receives), so a round wakes no
-            # process that has nothing to do with it.
-            result="rank0" if all_ranks_receive else "rank0_only",
+            # As under FLARE, only rank 0's script receives tasks (unless every rank
+            # receives); the other ranks are sent each task too (its memory files are
+            # passed, not copied), and answer it at once on their receiver thread, so
+            # that their ``flare.is_running()`` is True once per task and False at the
+            # end: a loop on every rank (FLARE's Lightning example) stays in step.
+            result="rank0",
             # "pytorch": tensors on the wire, which this process decodes only with
             # FLARE's TensorDecomposer, which the parent registers for it.
             server_expected_format="pytorch"

@@ -27,6 +27,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(blob::share, m)?)?;
     m.add_function(wrap_pyfunction!(blob::trim_heap, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::start, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::rank_identity, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::worker_cli, m)?)?;
     Ok(())
 }

@@ -191,26 +191,43 @@ impl Rank {
     /// This rank's number in its group.
     #[getter]
     fn rank(&self) -> u32 {
-        rank_info().map_or(0, |i| i.env.rank)
+        identity().map_or(0, |e| e.rank)
     }
 
     /// How many ranks the group has.
     #[getter]
     fn world_size(&self) -> u32 {
-        rank_info().map_or(1, |i| i.env.world_size)
+        identity().map_or(1, |e| e.world_size)
     }
 
     /// This rank's number on this host.
     #[getter]
     fn local_rank(&self) -> u32 {
-        rank_info().map_or(0, |i| i.env.local_rank)
+        identity().map_or(0, |e| e.local_rank)
     }
 
     /// How many ranks run on this host.
     #[getter]
     fn local_world_size(&self) -> u32 {
-        rank_info().map_or(1, |i| i.env.local_world_size)
+        identity().map_or(1, |e| e.local_world_size)
     }
+}
+
+/// This rank's identity: what the runtime recorded, or, before its thread has read the
+/// environment (right after `start` returns), the same reading of it.
+fn identity() -> Option<rankexec_protocol::env::RankEnv> {
+    rank_info()
+        .map(|i| i.env)
+        .or_else(|| rankexec_protocol::env::discover(&|k: &str| std::env::var(k).ok()).ok())
+}
+
+/// This rank's `(rank, local_rank, world_size, local_world_size)` as the runtime will
+/// read them from the environment (any launcher's variables), or `None` when the
+/// environment names no rank. Called before `start`, while the process has no runtime
+/// thread, so that `rankexec._torchrun` may set torchrun's variables from it.
+#[pyfunction]
+pub fn rank_identity() -> Option<(u32, u32, u32, u32)> {
+    identity().map(|e| (e.rank, e.local_rank, e.world_size, e.local_world_size))
 }
 
 /// Starts the rank runtime: `mode` is `"components"` or `"script"`.

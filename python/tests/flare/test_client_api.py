@@ -135,11 +135,15 @@ ECHO = (
                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
         "site": flare.get_site_name(), "job": flare.get_job_id(),
         "sys_info": flare.system_info(),
-        "running": flare.is_running() if rank != 0 else None,
         "received": flare.receive() is None if rank != 0 else None,
     }))
-    while flare.is_running():
+    n = 0
+    while flare.is_running():   # every rank: True once per task, False at the end
         m = flare.receive()
+        n += 1
+        if rank != 0:           # FLARE's semantics: only rank 0 receives
+            mark(f"iteration-{rank}-{n}", json.dumps(m is None))
+            continue
         kinds = {k: type(v).__module__ + "." + type(v).__name__ for k, v in m.params.items()}
         cfg = flare.get_config()["TASK_EXCHANGE"]
         out = {k: v * 3 for k, v in m.params.items()}
@@ -183,7 +187,7 @@ def test_script_runs_as_python_script_with_torchrun_env_and_flare_semantics(tmp_
         assert (start["site"], start["job"]) == ("site-7", "job-1")
         assert start["sys_info"] == {"site_name": "site-7", "job_id": "job-1"}
     rank1 = json.loads((g.marks / "start-1").read_text())
-    assert rank1["running"] is False and rank1["received"] is True  # FLARE's rank != 0
+    assert rank1["received"] is True  # FLARE's rank != 0: receive() gives None
     # A second task on the same group; then the close ends every rank's loop.
     reply = g.execute("train", {"w": np.ones(2, dtype=np.float32)}, round_=2)
     np.testing.assert_array_equal(from_shareable(reply).data["w"], np.full(2, 3, np.float32))
@@ -193,6 +197,10 @@ def test_script_runs_as_python_script_with_torchrun_env_and_flare_semantics(tmp_
     for r in (0, 1):
         assert (g.marks / f"end-{r}").exists()
         assert "Traceback" not in g.stderr(r)
+    # Rank 1's loop ran once per task, never receiving, and ended with the run.
+    iterations = sorted(p.name for p in g.marks.glob("iteration-1-*"))
+    assert iterations == ["iteration-1-1", "iteration-1-2"], iterations
+    assert all(json.loads((g.marks / i).read_text()) is True for i in iterations)
 
 
 DIFF_TORCH = (
@@ -202,6 +210,8 @@ DIFF_TORCH = (
     flare.init()
     while flare.is_running():
         m = flare.receive()
+        if m is None:   # a rank that does not receive (FLARE's semantics)
+            continue
         assert all(isinstance(v, torch.Tensor) for v in m.params.values()), m.params
         m.params["w"] += 1   # copy-on-write: the shared model is not changed
         out = {k: v * 2 for k, v in m.params.items()}
@@ -322,6 +332,8 @@ ABORTABLE = (
     flare.init(rank=str(rank))
     while flare.is_running():
         m = flare.receive()
+        if m is None:             # a rank that does not receive (FLARE's semantics)
+            continue
         if m.current_round == 0:
             mark(f"in-task-{rank}")
             deadline = time.monotonic() + 120
@@ -382,6 +394,8 @@ LOGS = (
     writer = SummaryWriter()
     while flare.is_running():
         m = flare.receive()
+        if m is None:   # a rank that does not receive (FLARE's semantics)
+            continue
         writer.add_scalar("loss", 0.5, global_step=m.current_round)
         flare.send(FLModel(metrics={"loss": 0.5}))
 """
@@ -438,6 +452,8 @@ def test_the_script_starts_before_flare_is_imported_and_its_own_import_installs_
         os.rename(os.path.join(marks, f"first-{rank}.tmp"), os.path.join(marks, f"first-{rank}"))
         while flare.is_running():
             m = flare.receive()
+            if m is None:   # a rank that does not receive (FLARE's semantics)
+                continue
             flare.send(flare.FLModel(params={k: v + 1 for k, v in m.params.items()}))
         """,
     )
@@ -463,11 +479,82 @@ def test_the_rank_program_uses_flare_s_own_names_for_its_hook():
     assert _script_rank.BOOTSTRAP_FILE_ENV == BOOTSTRAP_FILE_ENV_VAR
 
 
-@pytest.mark.parametrize(("all_ranks", "policy"), [(False, "rank0_only"), (True, "rank0")])
-def test_only_rank_0_is_sent_tasks_unless_every_rank_receives(tmp_path, all_ranks, policy):
-    # FLARE's ranks other than 0 never see a task: the group does not send them any
-    # (tests/rank0_only.rs proves what the policy does with real ranks).
-    executor = ScriptExecutor(
-        script="custom/client.py", num_of_processes=2, all_ranks_receive=all_ranks
-    )
-    assert executor.group_config(str(tmp_path / "run"), str(tmp_path))["result"] == policy
+FORGETS = (
+    PREAMBLE
+    + """
+    from nvflare.client.api import clear
+    flare.init()
+    n = 0
+    while flare.is_running():
+        m = flare.receive()
+        n += 1
+        if rank == 0 and n == 1:
+            clear()                # forgets the task (as Lightning's callback does): no send
+            continue
+        if rank == 0:
+            flare.send(FLModel(params=m.params))
+    mark(f"end-{rank}")
+"""
+)
+
+
+def test_rank_0_asking_for_the_next_task_without_a_result_fails_the_task_naming_it(
+    tmp_path, groups
+):
+    # FLARE's own Client API waits forever here (the executor waits for the result, the
+    # script for the next task); the held task fails instead, and the group serves on.
+    g = groups(tmp_path, FORGETS)
+    reply = g.execute("train", {"w": np.ones(2, np.float32)}, round_=0)
+    assert reply.get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    error = reply.get_header("rankexec_error")
+    print("reply header:", error)
+    assert "TaskLeftUnanswered" in error
+    assert "rank 0 asked for the next task without sending a result for task `train`" in error
+    reply = g.execute("train", {"w": np.ones(2, np.float32)}, round_=1)
+    assert reply.get_return_code(ReturnCode.OK) == ReturnCode.OK
+    assert g.group.pids() == g.pids
+    assert g.close()["escalated"] is None
+    for r in (0, 1):
+        assert (g.marks / f"end-{r}").exists()
+
+
+LEAVES = (
+    PREAMBLE
+    + """
+    import torch
+    import torch.distributed as dist
+    flare.init()
+    if rank == 1:
+        sys.exit(0)      # leaves at once, as FLARE's Lightning example's rank 1 did
+    while flare.is_running():
+        m = flare.receive()
+        if m is None:   # a rank that does not receive (FLARE's semantics)
+            continue
+        mark("in-task")
+        dist.init_process_group("gloo")   # waits for rank 1, which will never come
+        flare.send(FLModel(params=m.params))
+"""
+)
+
+
+def test_a_rank_whose_script_returns_while_the_run_goes_on_fails_the_group_naming_it(
+    tmp_path, groups
+):
+    g = groups(tmp_path, LEAVES, restart={"max_restarts": 0})
+    with pytest.raises(RankFailed) as info:
+        g.group.execute("train", {"flare_model": {"current_round": 0}}, {})
+    e = info.value
+    print("reported:", e)
+    assert e.rank == 1
+    assert "rank 1's script returned while the run goes on" in str(e)
+    assert g.close() is not None
+
+
+def test_every_rank_is_sent_each_task_and_only_rank_0_s_result_counts(tmp_path):
+    # Ranks other than 0 answer at once on their receiver thread (their is_running()
+    # counts the tasks); tests/rank0_only.rs proves the policy with real ranks.
+    for all_ranks in (False, True):
+        executor = ScriptExecutor(
+            script="custom/client.py", num_of_processes=2, all_ranks_receive=all_ranks
+        )
+        assert executor.group_config(str(tmp_path / "run"), str(tmp_path))["result"] == "rank0"

@@ -43,6 +43,8 @@ DTYPES = (
     flare.init()
     while flare.is_running():
         m = flare.receive()
+        if m is None:   # a rank that does not receive (FLARE's semantics)
+            continue
         seen = {k: [type(v).__module__, str(v.dtype)] for k, v in m.params.items()}
         mark("received", json.dumps(seen))
         if os.path.exists(os.path.join(args.marks, "hold")):
@@ -237,6 +239,8 @@ TORCH_IN_PLACE = (
     flare.init()
     while flare.is_running():
         m = flare.receive()
+        if m is None:   # a rank that does not receive (FLARE's semantics)
+            continue
         for v in m.params.values():
             v.add_(1)  # in place: the tensors rank 0 received are the ones it sends
         flare.send(FLModel(params=m.params))

@@ -1,0 +1,100 @@
+"""FLARE's own Lightning multi-GPU example as rank groups, run as its user runs it.
+
+``examples/flare/lightning-ddp`` is NVFlare's ``examples/advanced/multi-gpu/lightning``
+(``nvflare.client.lightning``, ``flare.patch(trainer)``, ``Trainer(strategy="ddp",
+devices=2)``, the loop whose first ``strategy.broadcast`` is a no-op) with the one line
+``use_rank_groups(recipe, num_of_processes=2)`` in ``job.py``, and its data read from a
+local CIFAR-10-format folder. ``python job.py`` under FLARE's simulator, 2 sites x 2
+ranks on CPU, 2 rounds: every round completes on both sites (FLARE's own executor hangs
+on this job), each site runs exactly its two rank processes (Lightning finds torchrun's
+variables and spawns none), the model learns, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, descendants, rank_pids, site_log
+
+pytest.importorskip("pytorch_lightning")
+pytest.importorskip("torchvision")
+pytest.importorskip("torchmetrics")
+
+EXAMPLE = REPO / "examples" / "flare" / "lightning-ddp"
+SITES = ("site-1", "site-2")
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], out: Path, cap: float) -> str:
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        try:
+            rc = proc.wait(timeout=cap)
+        except subprocess.TimeoutExpired:
+            for pid in descendants(proc.pid):  # the simulator runs in a session of its own
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            proc.kill()
+            proc.wait(timeout=30)
+            pytest.fail(f"{cmd} did not finish within {cap} s:\n{out.read_text()[-4000:]}")
+    text = out.read_text(errors="replace")
+    assert rc == 0, f"{cmd} exited {rc}:\n{text[-4000:]}"
+    return text
+
+
+def test_flare_s_lightning_multi_gpu_example_completes_its_rounds_as_rank_groups(tmp_path):
+    app = tmp_path / "lightning-ddp"
+    shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["CIFAR10_ROOT"] = str(tmp_path / "data")
+    env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "ws")
+    python = sys.executable
+    _run([python, "prepare_data.py", "--root", env["CIFAR10_ROOT"]], app, env, tmp_path / "p", 60)
+    output = _run(
+        [python, "job.py", "--n_clients", "2", "--num_rounds", "2"],
+        app,
+        env,
+        tmp_path / "job.out",
+        2 * SIM_CAP_S,
+    )
+    ws = tmp_path / "ws" / "lightning_ddp"
+    assert_no_errors(ws)
+    assert "Traceback" not in output, output[-4000:]
+    server = (ws / "server" / "log.txt").read_text()
+    assert "Round 0 started" in server and "Round 1 started" in server
+    assert (ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt").is_file()
+
+    for site in SITES:
+        log = site_log(ws, site)
+        # One group for the whole run, ended at END_RUN by its scripts' own return.
+        assert log.count("rank group of 2 ready") == 1, log[-3000:]
+        assert "rank group stopped cooperatively" in log
+        ranks = ws / site / "simulate_job" / "rankexec"
+        outs = [(ranks / f"rank-{r}" / "stdout.log").read_text() for r in (0, 1)]
+        # Lightning spawned no process of its own: each rank printed the script's
+        # start-up line once, with its own rank.
+        for r, out in enumerate(outs):
+            assert re.findall(r"DDP mode: global_rank=(\d+)", out) == [str(r)], out[-2000:]
+        assert re.findall(r"\[Round=(\d+), Site=([\w-]+)\]", outs[0]) == [
+            ("0", site),
+            ("1", site),
+        ]
+        # Lightning's test table, once per round, on rank 0: the global model learns.
+        accs = [float(a) for a in re.findall(r"test_acc_epoch\s+│\s+([\d.]+)", outs[0])]
+        print(f"{site}: test accuracy by round {accs}")
+        assert len(accs) == 2 and accs[1] > accs[0] and accs[1] > 0.5, outs[0][-3000:]
+        for r in (0, 1):
+            err = (ranks / f"rank-{r}" / "stderr.log").read_text()
+            assert "Traceback" not in err, err[-3000:]
+    assert rank_pids(ws) == []
