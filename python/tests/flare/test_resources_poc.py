@@ -211,9 +211,11 @@ def test_one_gpu_authority_in_a_poc_deployment(poc, tmp_path):
         for name, job_id in (("gpu-a", a), ("gpu-b", b)):
             recs = records(out, name)
             assert len(recs) == 2, recs
-            # The job got the grant's GPUs; rankexec gave each rank one of them.
+            # The job got the grant's GPUs; rankexec gave each rank one of them, numbered
+            # as torchrun does: each rank sees both, its own at index LOCAL_RANK.
             assert {r["job_visible"] for r in recs} == {"0,1"}, recs
-            assert sorted(r["visible"] for r in recs) == ["0", "1"], recs
+            assert {r["visible"] for r in recs} == {"0,1"}, recs
+            assert sorted(r["visible"].split(",")[r["rank"]] for r in recs) == ["0", "1"]
             assert {r["inventory"] for r in recs} == {"2x16GiB"}, recs
             grants = {r["job_grant"] for r in recs}
             assert len(grants) == 1 and grants.pop().startswith(f"flare/{SITE}/{job_id}/"), recs

@@ -12,6 +12,7 @@ handlers) serve it. Checks what a Deployment Engine run takes minutes to show:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -486,3 +487,56 @@ def test_a_node_folder_longer_than_a_socket_address(app, tmp_path, monkeypatch) 
     os.kill(st["pid"], signal.SIGTERM)
     wait_until(lambda: not pid_alive(st["pid"]), 30, "the host gone")
     assert all(not pid_alive(p) for p in st["pids"]) and not sock.exists()
+
+
+GPU_APP = """
+import json, os
+
+from flwr.app import Message, MetricRecord, RecordDict
+
+from rankexec.flower import ClientApp
+
+app = ClientApp(num_of_processes=2, deadlines={"startup": "120s", "task": "120s"})
+
+
+@app.train()
+def train(msg, context):
+    keys = ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+    path = os.path.join(os.environ["GPU_MARKS"], f"rank-{os.environ['RANK']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+    os.rename(path + ".tmp", path)
+    return Message(RecordDict({"metrics": MetricRecord({"ok": 1})}), reply_to=msg)
+"""
+
+
+def test_the_node_host_numbers_gpus_as_torchrun(tmp_path, monkeypatch) -> None:
+    # A node that declares 3 GPUs (no GPU needed): its 2 ranks each see the group's
+    # two GPUs in rank order, so device LOCAL_RANK is the rank's own, as for every
+    # launcher (tests/gpu_numbering.rs) and FLARE's GPU authority.
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("GPU_MARKS", str(marks))
+    monkeypatch.setenv("RANKEXEC_GPU_INVENTORY", "3x16GiB")
+    gpu_app = _install_app(tmp_path, monkeypatch, "gpuapp", GPU_APP)
+    node = 7301
+    try:
+        reply, _ = _call(gpu_app, node)
+        assert not reply.has_error(), reply.error
+        st = host_status(node)
+        assert st is not None
+        host_pid, ranks = st["pid"], st["pids"]
+        seen = {r: json.loads((marks / f"rank-{r}.json").read_text()) for r in (0, 1)}
+        print("\n[flower-host] ranks see:", seen)
+        for r, env in seen.items():
+            visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+            assert visible == ["0", "1"], env
+            assert visible[int(env["LOCAL_RANK"])] == str(r), env
+            assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+        gpu_app(close, Context(41, node, {}, RecordDict(), {}))
+        wait_until(lambda: not any(pid_alive(p) for p in ranks), 30, "the closed group gone")
+        os.kill(host_pid, signal.SIGTERM)
+        wait_until(lambda: not pid_alive(host_pid), 30, "the host gone")
+    finally:
+        _forget_app("gpuapp")
