@@ -23,6 +23,14 @@ Frame layout: ``<QQQ`` (pickle length, buffer count, descriptor count), then a
 file), the pickle, then the raw buffers in order; the descriptors come with the first
 bytes.
 
+Limits (a frame over one is refused with ``FrameRefused``, naming it): the pickle is at
+most ``MAX_HEAD`` bytes (it holds a request's structure, the arrays and the message's
+own pickle travel as buffers), a raw buffer is under ``SHARE_FROM`` bytes (larger ones
+must travel as memory files), and a frame has at most ``MAX_BUFFERS`` buffers. What a
+frame declares is never allocated ahead of its bytes: the receiver grows each part by
+``_CHUNK`` as the bytes arrive, so a peer that declares much and sends little costs
+what it sent. ``recv`` and ``accept_auth`` take a deadline for the whole exchange.
+
 Caveats: Linux only (``SO_PEERCRED``); the base directory is ``$RANKEXEC_FLOWER_DIR``,
 else ``$XDG_RUNTIME_DIR/rankexec-flower``, else ``/tmp/rankexec-flower-<uid>``.
 """
@@ -39,12 +47,17 @@ import secrets
 import socket
 import stat
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "MAX_BUFFERS",
+    "MAX_HEAD",
+    "SHARE_FROM",
     "ChannelError",
+    "FrameRefused",
     "accept_auth",
     "base_dir",
     "connect",
@@ -58,6 +71,10 @@ __all__ = [
 
 class ChannelError(ConnectionError):
     """The host cannot be reached, refused us, or broke the protocol."""
+
+
+class FrameRefused(ChannelError):
+    """A frame declares more than the channel's limits allow (the limit is named)."""
 
 
 def private_dir(path: Path) -> Path:
@@ -101,12 +118,37 @@ def _peer_uid(sock: socket.socket) -> int:
     return uid
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
+#: What a frame's parts grow by as their bytes arrive (never allocated ahead of them).
+_CHUNK = 1 << 20
+
+
+def _settimeout(sock: socket.socket, deadline: float | None, what: str) -> None:
+    """Gives the next socket call the time left before ``deadline`` (none: leaves the
+    socket's timeout as it is)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ChannelError(f"{what} did not arrive within its deadline")
+    sock.settimeout(left)
+
+
+def _recv_exact(
+    sock: socket.socket, n: int, deadline: float | None = None, what: str = "a frame"
+) -> bytearray:
+    """Exactly ``n`` bytes, by ``deadline`` (``time.monotonic()``) when one is given. The
+    buffer grows by ``_CHUNK`` as bytes arrive: ``n`` is what the peer declared, not
+    what it sent."""
+    buf = bytearray(min(n, _CHUNK))
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if got == len(buf):
+            buf.extend(bytes(min(n - got, _CHUNK)))
+        _settimeout(sock, deadline, what)
+        try:
+            k = sock.recv_into(memoryview(buf)[got:], len(buf) - got)
+        except TimeoutError as e:
+            raise ChannelError(f"{what} did not arrive within its deadline") from e
         if k == 0:
             raise ChannelError("the peer closed the channel")
         got += k
@@ -117,6 +159,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 SHARE_FROM = 64 << 10
 #: The most descriptors one frame passes (the kernel's SCM_MAX_FD is 253).
 MAX_FDS = 64
+#: The largest pickle a frame may carry. A request's pickle holds its structure (op,
+#: run id, the app's name, its requests, the names of its blobs): a few KiB; the
+#: message itself (its arrays, and the pickle of its records) travels as buffers.
+MAX_HEAD = 16 << 20
+#: The most buffers one frame may carry.
+MAX_BUFFERS = 1 << 20
 _FIXED = struct.Struct("<QQQ")
 _DESC = struct.Struct("<QqQ")
 
@@ -195,11 +243,15 @@ def send(sock: socket.socket, obj: Any) -> None:
     del owners  # the memory files stay open until they were sent
 
 
-def _recv_fixed(sock: socket.socket) -> tuple[bytes, list[int]]:
+def _recv_fixed(sock: socket.socket, deadline: float | None) -> tuple[bytes, list[int]]:
     """The fixed part of a frame and the descriptors that came with it."""
-    msg, fds, flags, _ = socket.recv_fds(
-        sock, _FIXED.size, MAX_FDS + 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-    )
+    _settimeout(sock, deadline, "a frame")
+    try:
+        msg, fds, flags, _ = socket.recv_fds(
+            sock, _FIXED.size, MAX_FDS + 1, getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+        )
+    except TimeoutError as e:
+        raise ChannelError("a frame did not arrive within its deadline") from e
     if flags & getattr(socket, "MSG_CTRUNC", 0):
         for fd in fds:
             os.close(fd)
@@ -209,23 +261,54 @@ def _recv_fixed(sock: socket.socket) -> tuple[bytes, list[int]]:
             os.close(fd)
         raise ChannelError("the peer closed the channel")
     if len(msg) < _FIXED.size:
-        msg += bytes(_recv_exact(sock, _FIXED.size - len(msg)))
+        try:
+            msg += bytes(_recv_exact(sock, _FIXED.size - len(msg), deadline))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
     return msg, list(fds)
 
 
-def recv(sock: socket.socket) -> Any:
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / 1024:g} KiB"
+
+
+def recv(sock: socket.socket, deadline: float | None = None) -> Any:
+    """One frame's object. ``deadline`` (``time.monotonic()``) bounds the whole frame;
+    a frame over the channel's limits raises ``FrameRefused`` before anything of it is
+    allocated."""
     from rankexec._rankexec import Blob
 
-    fixed, fds = _recv_fixed(sock)
+    fixed, fds = _recv_fixed(sock, deadline)
     try:
         n_head, n_bufs, n_fds = _FIXED.unpack(fixed)
-        if n_head > 1 << 32 or n_bufs > 1 << 20 or n_fds != len(fds):
+        if n_fds != len(fds):
             raise ChannelError(
                 f"malformed frame ({n_bufs} buffers, {n_fds} memory files declared, "
                 f"{len(fds)} passed)"
             )
-        descs = [_DESC.unpack(_recv_exact(sock, _DESC.size)) for _ in range(n_bufs)]
-        head = _recv_exact(sock, n_head)
+        if n_head > MAX_HEAD:
+            raise FrameRefused(
+                f"a frame declares a pickle of {n_head} bytes; the limit is {MAX_HEAD}"
+                f" bytes ({_mib(MAX_HEAD)}, rankexec.flower._channel.MAX_HEAD)"
+            )
+        if n_bufs > MAX_BUFFERS:
+            raise FrameRefused(
+                f"a frame declares {n_bufs} buffers; the limit is {MAX_BUFFERS}"
+                " (rankexec.flower._channel.MAX_BUFFERS)"
+            )
+        descs: list[tuple[int, int, int]] = []
+        for _ in range(n_bufs):
+            size, index, offset = _DESC.unpack(_recv_exact(sock, _DESC.size, deadline))
+            if index < 0 and size >= SHARE_FROM:
+                raise FrameRefused(
+                    f"a frame declares a raw buffer of {size} bytes; raw buffers are under"
+                    f" {SHARE_FROM} bytes ({_mib(SHARE_FROM)},"
+                    " rankexec.flower._channel.SHARE_FROM): larger ones travel as memory files"
+                )
+            descs.append((size, index, offset))
+        head = _recv_exact(sock, n_head, deadline)
         # Each file is mapped once, its buffers are slices of that mapping.
         parts: dict[int, list[tuple[int, int]]] = {}
         for size, index, offset in descs:
@@ -243,7 +326,7 @@ def recv(sock: socket.socket) -> Any:
                 raise ChannelError(f"a memory file was refused: {e}") from e
         bufs: list[Any] = []
         for size, index, _ in descs:
-            bufs.append(_recv_exact(sock, size) if index < 0 else mapped[index].pop(0))
+            bufs.append(_recv_exact(sock, size, deadline) if index < 0 else mapped[index].pop(0))
     finally:
         for fd in fds:  # the blobs hold their own duplicates
             os.close(fd)
@@ -251,15 +334,20 @@ def recv(sock: socket.socket) -> Any:
 
 
 def accept_auth(conn: socket.socket, secret: bytes, timeout: float = 10.0) -> None:
-    """The host's side of the handshake; raises ``ChannelError`` on any mismatch."""
-    conn.settimeout(timeout)
+    """The host's side of the handshake, all of it within ``timeout`` seconds (a peer that
+    answers slowly, a byte at a time, is held to the same deadline); raises
+    ``ChannelError`` on any mismatch or when the deadline passes."""
+    deadline = time.monotonic() + timeout
+    what = f"the handshake (deadline {timeout:g}s)"
     if _peer_uid(conn) != os.getuid():
         raise ChannelError("a process of another user connected")
     nonce = secrets.token_bytes(32)
+    _settimeout(conn, deadline, what)
     conn.sendall(nonce)
-    answer = bytes(_recv_exact(conn, 32))
+    answer = bytes(_recv_exact(conn, 32, deadline, what))
     if not hmac.compare_digest(answer, hmac.new(secret, nonce, hashlib.sha256).digest()):
         raise ChannelError("the peer does not know this launch's secret")
+    _settimeout(conn, deadline, what)
     conn.sendall(b"OK")
     conn.settimeout(None)
 

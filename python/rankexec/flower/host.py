@@ -50,12 +50,25 @@ abort, and its serving thread closes its group; a task that does not return by t
 keeps its group (nothing closes it under the task) and the host exits: its ranks see
 their parent gone and exit (rankexec's parent watch), as they do when the host is
 SIGKILLed.
+
+Resilience (the serving loop ends only through ``shutdown``, which removes the host's
+files): at start the host raises its soft ``RLIMIT_NOFILE`` to the hard one (about ten
+descriptors per rank); an ``accept`` that fails for want of resources (``EMFILE``,
+``ENFILE``, ``ENOBUFS``, ``ENOMEM``) or a connection aborted in the queue is logged
+once per episode and retried after a back-off (10 ms doubling to 1 s), and the host
+serves on; at most ``--max-unauthenticated`` connections are in their handshake at
+once (further ones are closed at once, logged once per episode), each has
+``--handshake-deadline`` seconds for the whole exchange and then ``--request-deadline``
+seconds to send its request; a frame is refused past the channel's limits
+(``_channel.MAX_HEAD``, raw buffers under ``_channel.SHARE_FROM``) and the refusal,
+which names the limit, is the answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import os
 import signal
@@ -76,6 +89,22 @@ HOST_TAKEN_EXIT = 3
 _SHUTDOWN_WAIT_S = 30.0
 _LOG_MAX = 4 << 20
 _LOG_KEEP = 1 << 20
+#: Seconds a connection has for the whole handshake (nonce, answer, OK).
+_HANDSHAKE_S = 10.0
+#: Seconds an authenticated connection has to send its whole request.
+_REQUEST_S = 60.0
+#: Connections in their handshake at once; further ones are closed at once.
+_MAX_UNAUTHENTICATED = 64
+#: ``accept`` errors that pass: resources run out (descriptors, buffers, memory) or a
+#: connection was aborted while queued. Others end the host (through ``shutdown``).
+_TRANSIENT_ACCEPT = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
+)
+#: The back-off after a failed ``accept``: doubling from the first to the last.
+_BACKOFF_FIRST_S = 0.01
+_BACKOFF_MAX_S = 1.0
+#: The soft descriptor limit to take when the hard one is unlimited.
+_NOFILE_UNLIMITED = 1 << 20
 
 
 class HostTaken(RuntimeError):
@@ -105,6 +134,25 @@ def _bound_stderr() -> None:
         os.write(fd, b"[host.log cut to its last bytes]\n" + tail)
 
 
+def _raise_nofile() -> None:
+    """Raises this process's soft ``RLIMIT_NOFILE`` to its hard one (logged): the host
+    holds about ten descriptors per rank, and the usual soft limit of 1024 is short of
+    what a site's ``max_processes`` and ``max_runs`` allow. Its ranks inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, _NOFILE_UNLIMITED)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        _log(f"descriptor limit {soft} (the hard limit)")
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as e:
+        _log(f"descriptor limit {soft}: raising it to {want} failed: {e}")
+        return
+    _log(f"descriptor limit raised from {soft} to {want} (the hard limit)")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -130,9 +178,17 @@ class Host:
         root_certificates: str | None = None,
         node_key: str | None = None,
         shutdown_wait_s: float = _SHUTDOWN_WAIT_S,
+        handshake_s: float = _HANDSHAKE_S,
+        request_s: float = _REQUEST_S,
+        max_unauthenticated: int = _MAX_UNAUTHENTICATED,
     ) -> None:
         self.dir = directory
         self.shutdown_wait_s = shutdown_wait_s
+        self.handshake_s = handshake_s
+        self.request_s = request_s
+        self.max_unauthenticated = max_unauthenticated
+        # One slot per connection in its handshake, taken by the serving loop at accept.
+        self._unauthenticated = threading.BoundedSemaphore(max_unauthenticated)
         # Set when ``shutdown`` has done everything it does: ``serve`` returns (and the
         # process exits) only then, or a task in flight would lose its host under it.
         self.shut_down = threading.Event()
@@ -260,10 +316,17 @@ class Host:
     # ---- serving ---------------------------------------------------------------------
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        """One connection, on its own thread; it holds one of the handshake slots (taken
+        by the serving loop) until its handshake ends."""
         with conn:
             try:
-                _channel.accept_auth(conn, self.secret)
-                req = _channel.recv(conn)
+                try:
+                    _channel.accept_auth(conn, self.secret, self.handshake_s)
+                finally:
+                    self._unauthenticated.release()
+                req = _channel.recv(conn, time.monotonic() + self.request_s)
+                # The answer may wait for a task; sending it may not wait forever.
+                conn.settimeout(self.request_s)
                 op = req.get("op") if isinstance(req, dict) else None
                 if op == "execute":
                     out = self._execute(req)
@@ -276,6 +339,11 @@ class Host:
                 else:
                     out = {"error": f"unknown operation {op!r}", "rank": None}
                 _channel.send(conn, out)
+            except _channel.FrameRefused as e:
+                _log(f"a request was refused: {e}")
+                with contextlib.suppress(Exception):
+                    conn.settimeout(self.request_s)
+                    _channel.send(conn, {"error": f"rankexec host: {e}", "rank": None})
             except (OSError, _channel.ChannelError) as e:
                 _log(f"a connection failed: {e}")
             except Exception as e:  # noqa: BLE001 - answered, logged, the host serves on
@@ -404,7 +472,8 @@ class Host:
             srv.bind(address)
         self._note_made("host.sock")
         os.chmod(path, 0o600)
-        srv.listen(16)
+        # Room in the queue for the connections that wait while accepting backs off.
+        srv.listen(max(16, self.max_unauthenticated))
         srv.settimeout(0.25)
         (self.dir / "host.pid").write_text(str(os.getpid()))
         self._note_made("host.pid")
@@ -414,20 +483,83 @@ class Host:
             f" {self.site_file}, node config {self.node_config})"
         )
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
-        while not self.stopping.is_set():
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
-        srv.close()
+        try:
+            self._accept_loop(srv)
+        except Exception as e:  # noqa: BLE001 - the host shuts down, removing its files
+            self.shutdown(f"the serving loop failed: {type(e).__name__}: {e}")
+        finally:
+            srv.close()
         # The shutdown (a signal's thread, or the watch's) waits for tasks in flight;
         # returning before it ends would end the process under them.
         if not self.shut_down.wait(self.shutdown_wait_s + 30.0):
             _log("the shutdown did not end in time; the host exits")
         return 0
+
+    def _accept_loop(self, srv: socket.socket) -> None:
+        """Accepts until the host stops. A failed ``accept`` that may pass (see
+        ``_TRANSIENT_ACCEPT``) is logged once per episode and retried after a back-off on
+        ``stopping`` (a shutdown ends the wait); any other ends the host through
+        ``shutdown``. Connections past ``max_unauthenticated`` in their handshake at
+        once are closed at once (logged once per episode)."""
+        failed = 0  # accepts failed in this episode
+        backoff = 0.0
+        episode_start = 0.0
+        refused = 0  # connections closed in this episode for want of a handshake slot
+        while not self.stopping.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                conn = None
+            except OSError as e:
+                if e.errno not in _TRANSIENT_ACCEPT:
+                    self.shutdown(f"the listening socket failed: {e}")
+                    return
+                if failed == 0:
+                    episode_start = time.monotonic()
+                    _log(
+                        f"accept failed: {e} ({errno.errorcode.get(e.errno or 0, '?')},"
+                        f" descriptor limit {_nofile()}); retrying with a back-off up to"
+                        f" {_BACKOFF_MAX_S:g}s, logged once until it passes"
+                    )
+                failed += 1
+                backoff = min(max(backoff * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
+                self.stopping.wait(backoff)
+                continue
+            if failed:
+                _log(
+                    f"accepting again after {failed} failed accepts over"
+                    f" {time.monotonic() - episode_start:.2f}s"
+                )
+                failed, backoff = 0, 0.0
+            if conn is None:
+                continue
+            if not self._unauthenticated.acquire(blocking=False):
+                if refused == 0:
+                    _log(
+                        f"{self.max_unauthenticated} connections are in their handshake at"
+                        " once (--max-unauthenticated); closing new ones until one ends"
+                    )
+                refused += 1
+                conn.close()
+                continue
+            if refused:
+                _log(f"taking connections again ({refused} closed while the handshakes were full)")
+                refused = 0
+            try:
+                threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: like a failed accept
+                self._unauthenticated.release()
+                conn.close()
+                _log(f"a connection was closed: no thread to serve it ({e})")
+                backoff = min(max(backoff * 2, _BACKOFF_FIRST_S), _BACKOFF_MAX_S)
+                self.stopping.wait(backoff)
+
+
+def _nofile() -> str:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
 
 
 def _pickle_buffer(v: Any) -> Any:
@@ -467,9 +599,32 @@ def main(argv: list[str] | None = None) -> int:
         f" (default {_SHUTDOWN_WAIT_S:g})",
     )
     p.add_argument(
+        "--handshake-deadline",
+        type=float,
+        default=_HANDSHAKE_S,
+        help="seconds a connection has for the whole handshake before it is closed"
+        f" (default {_HANDSHAKE_S:g})",
+    )
+    p.add_argument(
+        "--request-deadline",
+        type=float,
+        default=_REQUEST_S,
+        help="seconds an authenticated connection has to send its request"
+        f" (default {_REQUEST_S:g})",
+    )
+    p.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        default=_MAX_UNAUTHENTICATED,
+        help="connections in their handshake at once; further ones are closed at once"
+        f" (default {_MAX_UNAUTHENTICATED})",
+    )
+    p.add_argument(
         "--node-config", default=None, help="the SuperNode's --node-config (default: read it)"
     )
     a = p.parse_args(argv)
+    if a.max_unauthenticated < 1 or a.handshake_deadline <= 0 or a.request_deadline <= 0:
+        p.error("--max-unauthenticated, --handshake-deadline and --request-deadline are positive")
     directory = _channel.private_dir(a.dir) if a.dir else _channel.node_dir(a.node_id)
     try:
         host = Host(
@@ -483,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
             root_certificates=a.root_certificates,
             node_key=a.node_key,
             shutdown_wait_s=a.shutdown_wait,
+            handshake_s=a.handshake_deadline,
+            request_s=a.request_deadline,
+            max_unauthenticated=a.max_unauthenticated,
         )
         host._take_node()
     except (HostTaken, _site.SiteError) as e:
@@ -494,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    _raise_nofile()
     return host.serve()
 
 
