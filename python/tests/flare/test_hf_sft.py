@@ -1,0 +1,187 @@
+"""FLARE's own LLM example (``nvflare.client.hf`` on a TRL ``SFTTrainer``) as rank groups,
+run as its user runs it.
+
+``examples/flare/hf-sft`` is NVFlare's ``examples/advanced/llm_hf`` (``client.py``,
+``job.py``, ``hf_sft_model.py``, ``hf_peft_model.py``): ``flare.patch(trainer,
+params_scope="auto", server_key_prefix="model.", local_epochs=...)``, the loop ``while
+flare.is_running(): trainer.evaluate(); trainer.train()``, and a ``FedAvgRecipe`` whose
+model is a ``{"class_path": ..., "args": ...}`` dict the server builds. ``job.py`` adds
+``use_rank_groups(recipe, num_of_processes=2)``; ``client.py`` runs on CPU ranks where
+there is no GPU and wraps the model in DDP after ``evaluate()`` (see its "rankexec copy"
+comments). ``prepare_model.py`` builds the model (a GPT-Neo of 0.1M parameters, from a
+config), its tokenizer and Dolly-style records, offline.
+
+``python job.py ...`` under FLARE's simulator, 2 sites x 2 ranks, 2 rounds, once with
+``--train_mode SFT`` and once with ``PEFT``: the job completes with no error logged,
+every round is aggregated from both sites, each site's ranks are one group of 2 for the
+whole run that stops cooperatively, both ranks of every site trained each round under
+DDP (``DistributedDataParallel``, world size 2) and the server weighed each result by
+both ranks' samples, the eval loss each site reports to the server falls from the first
+round to the second, only the LoRA adapter travels in PEFT mode (the full model in SFT),
+and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, descendants, rank_pids, site_log
+
+for _module in ("transformers", "trl", "peft", "datasets", "accelerate", "tokenizers"):
+    pytest.importorskip(_module)
+
+EXAMPLE = REPO / "examples" / "flare" / "hf-sft"
+SITES = ("site-1", "site-2")
+ROUNDS = 2
+# Per round and site: 2 optimizer steps (160 records, 2 ranks, batch x accumulation 40)
+# of 80 samples each, as the patch counts them (steps x batch x accumulation x world size).
+STEPS_PER_ROUND = 2
+SAMPLES_PER_ROUND = 160
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], out: Path, cap: float) -> str:
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        try:
+            rc = proc.wait(timeout=cap)
+        except subprocess.TimeoutExpired:
+            for pid in descendants(proc.pid):  # the simulator runs in a session of its own
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            proc.kill()
+            proc.wait(timeout=30)
+            pytest.fail(f"{cmd} did not finish within {cap} s:\n{out.read_text()[-4000:]}")
+    text = out.read_text(errors="replace")
+    assert rc == 0, f"{cmd} exited {rc}:\n{text[-4000:]}"
+    return text
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["HF_HUB_OFFLINE"] = "1"  # everything is local; a Hub lookup fails at once
+    env["HF_HOME"] = str(tmp / "hf-home")  # datasets' cache of the records
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.pop("WANDB_API_KEY", None)  # the example reports to TensorBoard, in its folder
+    return env
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> tuple[Path, Path]:
+    """The model folder and the data root, as ``prepare_model.py`` writes them."""
+    from nvflare.fuel.utils.gpu_utils import get_host_gpu_ids
+
+    gpus = get_host_gpu_ids()
+    if 0 < len(gpus) < 4:
+        pytest.skip(f"FLARE's simulator refuses --gpu [0,1],[2,3] on a host with {len(gpus)} GPUs")
+    tmp = tmp_path_factory.mktemp("hf-sft")
+    model, data = tmp / "model", tmp / "data"
+    cmd = [sys.executable, str(EXAMPLE / "prepare_model.py"), "--model_dir", str(model)]
+    cmd += ["--data_path", str(data), "--client_ids", *SITES]
+    _run(cmd, tmp, _env(tmp), tmp / "prepare.out", 120)
+    return model, data
+
+
+@pytest.mark.parametrize("mode", ["SFT", "PEFT"])
+def test_flare_s_llm_hf_example_trains_with_ddp_on_rank_groups(prepared, tmp_path, mode):
+    import torch
+
+    model_dir, data = prepared
+    app = tmp_path / "hf-sft"
+    shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__"))
+    env = _env(tmp_path)
+    root = tmp_path / "ws"
+    env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(root)  # the same as --workspace_dir
+    # FLARE's README command for two sites of two GPUs each (the GPU groups and ports
+    # only shape the torchrun command that use_rank_groups drops; on a host without GPUs
+    # the simulator takes the groups as they are).
+    cmd = [sys.executable, "job.py", "--client_ids", *SITES, "--num_rounds", str(ROUNDS)]
+    cmd += ["--train_mode", mode, "--model_name_or_path", str(model_dir)]
+    cmd += ["--data_path", str(data), "--workspace_dir", str(root)]
+    cmd += ["--gpu", "[0,1],[2,3]", "--ports", "7777", "8888"]
+    output = _run(cmd, app, env, tmp_path / "job.out", 2 * SIM_CAP_S)
+
+    ws = root / f"llm_hf_{mode.lower()}"
+    assert_no_errors(ws)
+    assert "Traceback" not in output, output[-4000:]
+    server = (ws / "server" / "log.txt").read_text(errors="replace")
+    for r in range(ROUNDS):
+        assert f"Round {r} started" in server, server[-3000:]
+    assert server.count("Aggregated 2/2 results") == ROUNDS, server[-3000:]
+
+    for site in SITES:
+        log = site_log(ws, site)
+        # One group for the whole run, ended at END_RUN by its scripts' own return.
+        assert log.count("rank group of 2 ready") == 1, log[-3000:]
+        assert "rank group stopped cooperatively" in log, log[-3000:]
+        ranks = ws / site / "simulate_job" / "rankexec"
+        for r in (0, 1):
+            out = (ranks / f"rank-{r}" / "stdout.log").read_text(errors="replace")
+            err = (ranks / f"rank-{r}" / "stderr.log").read_text(errors="replace")
+            assert "Traceback" not in err, err[-3000:]
+            # FLARE's own line, once: the script started once, as rank r of 2.
+            started = re.findall(r"DDP rank (\d+) initialized: world_size=(\d+)", out)
+            assert started == [(str(r), "2")], out[-3000:]
+            # Every round, on both ranks: the Trainer trained the model wrapped in DDP,
+            # over a world of 2, for the round's steps.
+            trained = re.findall(
+                rf"rank {r} trained: (\w+), world size (\d+), global step (\d+)", out
+            )
+            steps = [str(STEPS_PER_ROUND * (i + 1)) for i in range(ROUNDS)]
+            assert trained == [("DistributedDataParallel", "2", s) for s in steps], out[-3000:]
+
+    # What each site reported to the server, per round: the eval loss of the global model
+    # it received (FLARE's ModelScoreCallback adds model_score = -eval_loss), and the
+    # weight of its result (samples of both ranks).
+    rounds = [
+        json.loads(line)
+        for line in (ws / "server" / "simulate_job" / "metrics" / "round_metrics.jsonl")
+        .read_text()
+        .splitlines()
+        if line.strip()
+    ]
+    assert [m["round"] for m in rounds] == list(range(ROUNDS)), rounds
+    losses: dict[str, list[float]] = {site: [] for site in SITES}
+    for m in rounds:
+        assert sorted(s["name"] for s in m["sites"]) == list(SITES), m
+        for s in m["sites"]:
+            metrics = {x["name"]: x["value"] for x in s["metrics"]}
+            assert metrics["model_score"] == pytest.approx(-metrics["eval_loss"]), metrics
+            assert s["weight"] == SAMPLES_PER_ROUND, s
+            losses[s["name"]].append(metrics["eval_loss"])
+    print(f"{mode}: eval loss by round {losses}")
+    for site, seq in losses.items():
+        assert seq[-1] < seq[0], f"{site}: eval loss did not fall: {seq}"
+
+    # What travelled: the server's model is the adapter alone in PEFT mode (its wrapper's
+    # state_dict), the whole model in SFT mode; every client result the server downloaded
+    # was that model's size (float32), not the full model's.
+    saved = torch.load(
+        ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt", weights_only=False
+    )["model"]
+    lora = [k for k in saved if "lora_" in k]
+    if mode == "PEFT":
+        assert lora and len(lora) == len(saved), sorted(saved)[:10]
+    else:
+        assert not lora and "model.transformer.wte.weight" in saved, sorted(saved)[:10]
+    nbytes = sum(v.numel() * 4 for v in saved.values())
+    sizes = [
+        int(b.replace(",", ""))
+        for b in re.findall(r"\[client\] download .*\(([\d,]+) bytes\)", server)
+    ]
+    assert len(sizes) == ROUNDS * len(SITES), server[-3000:]
+    for size in sizes:
+        assert nbytes <= size < nbytes + 16384, (size, nbytes)
+    assert rank_pids(ws) == []
