@@ -61,6 +61,13 @@ pub struct ExecutorConfig {
     /// temporary directory that is kept).
     #[serde(default)]
     pub log_dir: Option<PathBuf>,
+    /// The most bytes of each rank's stdout, and of its stderr, kept on disk while the
+    /// group lives (an external launcher's too): `stdout.log` becomes `stdout.log.1`
+    /// (replacing the older one) before a line takes it past half of this, so the last
+    /// half to all of it is kept. At least 64 KiB. Count it for every rank and stream
+    /// where `log_dir` is memory (`$XDG_RUNTIME_DIR`, `/dev/shm`).
+    #[serde(default = "default_max_rank_log")]
+    pub max_rank_log: ByteSize,
     /// Which ranks' events reach the parent's engine.
     #[serde(default)]
     pub relay_events_from: EventRanks,
@@ -74,6 +81,9 @@ pub(super) fn default_zero_copy() -> ByteSize {
 }
 pub(super) fn default_max_frame() -> ByteSize {
     ByteSize(4 << 30)
+}
+pub(super) fn default_max_rank_log() -> ByteSize {
+    ByteSize(64 << 20)
 }
 
 /// The rank program and its arguments.

@@ -8,6 +8,9 @@ use crate::units::Dur;
 
 use super::schema::*;
 
+/// The smallest `max_rank_log` (a line longer than half of it is cut in the file).
+const MIN_RANK_LOG: u64 = 64 << 10;
+
 /// A configuration error, with the JSON path of the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{path}: {message}")]
@@ -63,6 +66,7 @@ impl ExecutorConfig {
             zero_copy_threshold: default_zero_copy(),
             max_frame: default_max_frame(),
             log_dir: None,
+            max_rank_log: default_max_rank_log(),
             relay_events_from: EventRanks::default(),
         }
     }
@@ -243,6 +247,9 @@ impl ExecutorConfig {
         }
         if self.max_frame.bytes() < 4096 {
             return Err(ConfigError::new("max_frame", "must be at least 4096 bytes"));
+        }
+        if self.max_rank_log.bytes() < MIN_RANK_LOG {
+            return Err(ConfigError::new("max_rank_log", "must be at least 64 KiB"));
         }
         Ok(())
     }

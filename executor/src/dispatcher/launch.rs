@@ -456,7 +456,12 @@ impl Dispatcher {
         if let Some(p) = &group.grant.placement {
             info!(placement = %p.describe(), "placement");
         }
-        match OutputPump::start(launched.pipes, &log_dir, self.cfg.executor_id.clone()) {
+        match OutputPump::start(
+            launched.pipes,
+            &log_dir,
+            self.cfg.executor_id.clone(),
+            self.cfg.max_rank_log.bytes(),
+        ) {
             Ok(p) => {
                 let tx = self.ev_tx.clone();
                 p.tails().notify_closed(move |src| {

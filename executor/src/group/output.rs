@@ -3,14 +3,22 @@
 //! One thread polls every pipe. Each line goes to `LOG_DIR/rank-N/stdout.log` or
 //! `stderr.log` and into the host's log as a `tracing` event with the rank number
 //! (target `rankexec::rank`), like torchrun's `--tee` with a `[rankN]:` prefix. The
-//! last [`TAIL_LINES`] lines of each rank's stderr are kept for error reports.
-//! Output of an external launcher goes to `LOG_DIR/launcher/`.
+//! last [`TAIL_LINES`] lines of each rank's stderr are kept in memory for error
+//! reports. Output of an external launcher goes to `LOG_DIR/launcher/`.
+//!
+//! Each stream's file is bounded while the group lives (`max_rank_log`, the cap):
+//! before a line would take `stdout.log` past half of the cap, it becomes
+//! `stdout.log.1` (replacing the older one) and a new `stdout.log` starts, so the last
+//! half to all of the cap stays on disk, never more (the log folder may be memory, as
+//! a Flower node's is). A relaunched group appends to its ranks' files, counting what
+//! is already there. Caveat: when the rename fails the file is emptied instead, and
+//! when no new file can be opened the stream goes on to the host's log only.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -143,11 +151,84 @@ impl Tails {
     }
 }
 
+/// A stream's file, kept under its cap (see the module docs).
+struct LogFile {
+    path: PathBuf,
+    file: Option<File>,
+    /// Bytes in `path` (what was there when it was opened, plus what was written).
+    len: u64,
+    /// Half of the cap: the most bytes of each of `NAME.log` and `NAME.log.1`.
+    half: u64,
+}
+
+impl LogFile {
+    fn open(path: PathBuf, cap: u64) -> std::io::Result<LogFile> {
+        let file = File::options().create(true).append(true).open(&path)?;
+        let len = file.metadata()?.len();
+        Ok(LogFile {
+            path,
+            file: Some(file),
+            len,
+            half: (cap / 2).max(2),
+        })
+    }
+
+    /// Appends `text` and a newline, rotating first if they would pass half the cap;
+    /// a line longer than that is cut.
+    fn write_line(&mut self, text: &[u8]) {
+        if self.file.is_none() {
+            return;
+        }
+        let keep = usize::try_from(self.half - 1).unwrap_or(usize::MAX);
+        let text = &text[..text.len().min(keep)];
+        let n = text.len() as u64 + 1;
+        if self.len > 0 && self.len + n > self.half {
+            self.rotate();
+        }
+        let Some(f) = self.file.as_mut() else {
+            return;
+        };
+        match f.write_all(text).and_then(|()| f.write_all(b"\n")) {
+            Ok(()) => self.len += n,
+            // A full disk: count what did land.
+            Err(_) => self.len = f.metadata().map_or(self.len + n, |m| m.len()),
+        }
+    }
+
+    /// `NAME.log` becomes `NAME.log.1` and a new `NAME.log` starts.
+    fn rotate(&mut self) {
+        let mut old = self.path.clone().into_os_string();
+        old.push(".1");
+        let moved = std::fs::rename(&self.path, &old)
+            .and_then(|()| File::options().create(true).append(true).open(&self.path));
+        match moved {
+            Ok(f) => {
+                self.file = Some(f);
+                self.len = 0;
+            }
+            Err(e) => {
+                // Bounded all the same: this file starts over (or, if it is gone and no
+                // new one opens, the stream goes to the host's log only).
+                let emptied = self.file.as_ref().map(|f| f.set_len(0));
+                tracing::warn!(
+                    path = %self.path.display(),
+                    error = %e,
+                    "cannot rotate a rank log; emptying it instead"
+                );
+                match emptied {
+                    Some(Ok(())) => self.len = 0,
+                    _ => self.file = None,
+                }
+            }
+        }
+    }
+}
+
 struct Pipe {
     src: Source,
     stream: Stream,
     reader: File,
-    file: Option<File>,
+    log: LogFile,
     partial: Vec<u8>,
 }
 
@@ -160,11 +241,13 @@ pub(crate) struct OutputPump {
 }
 
 impl OutputPump {
-    /// Starts pumping `pipes` into files under `dir`, tagging log lines with `label`.
+    /// Starts pumping `pipes` into files under `dir`, each kept to its last `cap` bytes
+    /// (see the module docs), tagging log lines with `label`.
     pub(crate) fn start(
         pipes: Vec<(Source, Stream, OwnedFd)>,
         dir: &Path,
         label: String,
+        cap: u64,
     ) -> std::io::Result<OutputPump> {
         let tails = Arc::new(Tails::default());
         let mut open = Vec::with_capacity(pipes.len());
@@ -174,16 +257,13 @@ impl OutputPump {
                 Source::Launcher => dir.join("launcher"),
             };
             std::fs::create_dir_all(&sub)?;
-            let file = File::options()
-                .create(true)
-                .append(true)
-                .open(sub.join(format!("{}.log", stream.name())))?;
+            let log = LogFile::open(sub.join(format!("{}.log", stream.name())), cap)?;
             tails.opened(src);
             open.push(Pipe {
                 src,
                 stream,
                 reader: File::from(fd),
-                file: Some(file),
+                log,
                 partial: Vec::new(),
             });
         }
@@ -213,11 +293,7 @@ impl Drop for OutputPump {
 fn emit(p: &mut Pipe, line: &[u8], tails: &Tails, label: &str) {
     let text = String::from_utf8_lossy(line);
     let text = text.trim_end_matches('\r');
-    if let Some(f) = p.file.as_mut() {
-        let _ = f
-            .write_all(text.as_bytes())
-            .and_then(|()| f.write_all(b"\n"));
-    }
+    p.log.write_line(text.as_bytes());
     match p.src {
         Source::Rank(rank) if p.stream == Stream::Stderr => {
             tracing::info!(target: "rankexec::rank", rank, "{text}");
@@ -298,6 +374,34 @@ fn pump(mut pipes: Vec<Pipe>, waker: &Waker, stop: &AtomicBool, tails: &Tails, l
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_file_keeps_its_last_lines_within_its_cap_across_reopens() {
+        let dir = std::env::temp_dir().join(format!("rankexec-logfile-{}", os::own_pid()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("stdout.log");
+        let cap = 1000;
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        // A relaunched group's pump opens the same file and counts what is there.
+        for generation in 0..3 {
+            let mut log = LogFile::open(path.clone(), cap).unwrap();
+            for i in 0..100 {
+                log.write_line(format!("generation {generation} line {i:03}").as_bytes());
+                let old = dir.join("stdout.log.1");
+                assert!(size(&path) <= cap / 2 && size(&old) <= cap / 2);
+            }
+        }
+        let text = std::fs::read_to_string(dir.join("stdout.log.1")).unwrap()
+            + &std::fs::read_to_string(&path).unwrap();
+        assert!(text.ends_with("generation 2 line 099\n"), "{text}");
+        assert!(text.len() >= 500 - 22, "{}", text.len());
+        // A line longer than half the cap is cut, and the bound holds.
+        let mut log = LogFile::open(path.clone(), cap).unwrap();
+        log.write_line(&[b'x'; 4000]);
+        assert_eq!(size(&path), 500);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn closing_the_last_pipe_notifies_once() {

@@ -40,7 +40,9 @@ code the site decides, in ``<site workspace>/local/rankexec.json``::
   script the job ships under exactly that name (useful with ``byoc_jobs:
   "restricted"``, where the job's ``custom/`` code is its own). ``"*"`` allows any
   script with any arguments. The ``components`` rule does not apply to
-  ``ScriptExecutor`` (its ranks run the script, not a component).
+  ``ScriptExecutor`` (its ranks run the script, not a component). The real path
+  checked (``script_path``, resolved once at START_RUN) is the one the ranks run, on
+  every launch and relaunch: a symlink re-pointed after the check changes nothing.
 - ``byoc_jobs``: ``"trusted"`` (default): a job with custom code may set everything,
   since its code already runs in this site's client process (FLARE's ``byoc`` right
   decides whether such a job runs at all); ``"restricted"``: the same rules as above.
@@ -59,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-__all__ = ["FILE_NAME", "PolicyError", "SitePolicy", "load", "starter"]
+__all__ = ["FILE_NAME", "PolicyError", "SitePolicy", "load", "script_path", "starter"]
 
 FILE_NAME = "rankexec.json"
 _KINDS = ("torchrun", "mpirun", "srun")
@@ -105,10 +107,13 @@ class SitePolicy:
         script: str | None = None,
         script_args: list[str] | None = None,
         app_root: str | None = None,
+        script_real: str | None = None,
     ) -> None:
         """Raises ``PolicyError`` naming the first arg the policy does not allow.
         ``script``: a ``ScriptExecutor``'s script (with ``script_args``, relative paths
-        under ``app_root``), checked against ``scripts`` instead of a component."""
+        under ``app_root``), checked against ``scripts`` instead of a component.
+        ``script_real``: its real path as the caller resolved it (``script_path``),
+        the one its ranks will run; resolved here when not given."""
         if worker is not None and _worker(worker) not in [_worker(w) for w in self.workers]:
             self._refuse("worker", f"the rank program {json.dumps(worker)}", "workers")
         if launcher != "builtin" and _launcher(launcher) not in [
@@ -118,13 +123,13 @@ class SitePolicy:
         if env is not None:
             self._check_env(env)
         if script is not None:
-            self._check_script(script, list(script_args or []), app_root)
+            real = script_real or script_path(script, app_root)
+            self._check_script(script, real, list(script_args or []))
             return
         self._check_component(rank_component)
 
-    def _check_script(self, script: str, args: list[str], app_root: str | None) -> None:
-        root = app_root or os.getcwd()
-        matched = [e for e in self.scripts if _script_matches(script, e["script"], root)]
+    def _check_script(self, script: str, real: str, args: list[str]) -> None:
+        matched = [e for e in self.scripts if _script_matches(script, real, e["script"])]
         if not matched:
             self._refuse("script", f"the script `{script}`", "scripts")
         if not any(e["args"] == "*" or list(e["args"]) == args for e in matched):
@@ -206,14 +211,21 @@ def _script_entry(e: Any) -> dict[str, Any]:
     return {"script": e["script"], "args": e.get("args", [])}
 
 
-def _script_matches(script: str, entry: str, root: str) -> bool:
+def script_path(script: str, app_root: str | None) -> str:
+    """The real path of a ``ScriptExecutor``'s script (``script`` relative to
+    ``app_root``, else to the working directory; every symlink resolved): what the
+    policy checks and what the ranks run."""
+    return os.path.realpath(os.path.join(app_root or os.getcwd(), script))
+
+
+def _script_matches(script: str, real: str, entry: str) -> bool:
+    """Whether the script (as the job names it, and its real path) matches ``entry``."""
     if entry == "*":
         return True
     folder = entry.endswith("/")
     if os.path.isabs(entry):
-        path = os.path.realpath(script if os.path.isabs(script) else os.path.join(root, script))
         want = os.path.realpath(entry)
-        return path.startswith(want + os.sep) if folder else path == want
+        return real.startswith(want + os.sep) if folder else real == want
     if os.path.isabs(script):
         return False
     rel = os.path.normpath(script)

@@ -14,7 +14,14 @@ executor's ``path`` and ``args``::
 Every rank runs ``python -m rankexec.flare.run_script`` in the app folder (FLARE's
 working directory for ``custom/client.py``), which runs the script as ``python SCRIPT
 ARGS`` would, with the torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``) set by the group. FLARE's own argument names keep
+``MASTER_ADDR``, ``MASTER_PORT``) set by the group. The script is resolved to its real
+path once, at START_RUN (``rankexec.flare.policy.script_path``): that path is what the
+site policy checks and what every launch and relaunch of the group runs, so a symlink
+re-pointed later changes nothing. A script named through a symlink (or ``..``) runs
+as its real path, which it sees as ``sys.argv[0]`` and ``__file__``, with that folder
+first on ``sys.path`` (where ``python`` puts a symlinked script's folder too); a
+script named without one runs under the name the job gave (``custom/client.py``),
+which is its real path already. FLARE's own argument names keep
 FLARE's meaning and defaults (``train_task_name``, ``evaluate_task_name``,
 ``submit_model_task_name``, ``train_with_evaluation``, ``params_exchange_format``,
 ``server_expected_format``, ``params_transfer_type``); rankexec's group arguments
@@ -35,7 +42,8 @@ writers) become FLARE analytics events (``analytix_log_stats``), as
 Site policy: a job held to the site's policy (``rankexec.flare.policy``: a job without
 custom code, or any job where ``byoc_jobs`` is ``"restricted"``) runs only a script the
 policy's ``scripts`` names, with arguments it allows; any other is refused at START_RUN
-with the rule and the policy file named, before a rank starts.
+with the rule and the policy file named, before a rank starts. The ranks run the real
+path the policy checked (above).
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ from rankexec._staging import stage_releasing
 from rankexec.flare.arrays import pack_flat, plain, unpack_flat
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
+from rankexec.flare.policy import script_path
 
 __all__ = ["ScriptExecutor"]
 
@@ -117,7 +126,8 @@ class ScriptExecutor(MultiProcessExecutor):
         Args:
             script: required: the script, relative to the app folder
                 (`custom/client.py`); ranks run in the app folder, as FLARE's trainer
-                does.
+                does. Resolved to its real path at START_RUN: what the site policy
+                checks is what every launch and relaunch runs.
             script_args: its arguments: a string (split like a shell) or a list.
             num_of_processes: ranks in the group.
             train_task_name, evaluate_task_name, submit_model_task_name: FLARE's, for
@@ -154,6 +164,9 @@ class ScriptExecutor(MultiProcessExecutor):
         if not isinstance(script, str) or not script.endswith(".py"):
             raise ValueError(f"script must name a .py file, not {script!r}")
         self._script = script
+        # The script's real path, resolved once at START_RUN: what the policy checks and
+        # every launch of the group runs.
+        self._script_real: str | None = None
         self._script_args = script_args
         self._script_argv = _argv(script_args, "script_args")
         self._train_task_name = train_task_name
@@ -227,6 +240,21 @@ class ScriptExecutor(MultiProcessExecutor):
             },
         }
 
+    def _real_script(self, app_root: str | None) -> str:
+        """The script's real path: the one resolved at START_RUN (and checked by the
+        site's policy there), else resolved now."""
+        return self._script_real or script_path(self._script, app_root)
+
+    def _launched_script(self, app_root: str | None) -> str:
+        """What every launch of the group runs: the script as the job named it when
+        that is its real path already (no symlink, no ``..`` on the way: nothing to
+        re-point), else its real path, so that each launch runs what was checked."""
+        real = self._real_script(app_root)
+        named = os.path.abspath(os.path.join(app_root or os.getcwd(), self._script))
+        if named == real and ".." not in self._script.split(os.sep):
+            return self._script
+        return real
+
     def group_config(self, run_dir: str, app_root: str | None) -> dict[str, Any]:
         cfg = super().group_config(run_dir, app_root)
         cwd = app_root or os.getcwd()
@@ -239,7 +267,8 @@ class ScriptExecutor(MultiProcessExecutor):
                 cwd,
                 "--config",
                 json.dumps(self.rank_config()),
-                self._script,
+                # Kept for every relaunch: never a path through a symlink.
+                self._launched_script(app_root),
                 *self._script_argv,
             ],
         }
@@ -247,10 +276,12 @@ class ScriptExecutor(MultiProcessExecutor):
 
     def _policy_subject(self, fl_ctx: FLContext) -> dict[str, Any]:
         """The site's policy checks the script and its arguments (``scripts``)."""
+        app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
         return {
             "script": self._script,
             "script_args": self._script_argv,
-            "app_root": fl_ctx.get_prop(FLContextKey.APP_ROOT),
+            "app_root": app_root,
+            "script_real": self._real_script(app_root),
         }
 
     # ---- events --------------------------------------------------------------------
@@ -261,10 +292,14 @@ class ScriptExecutor(MultiProcessExecutor):
             self._job = str(fl_ctx.get_job_id() or "")
             app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
             script = os.path.join(app_root or os.getcwd(), self._script)
-            if not os.path.isfile(script):
+            real = script_path(self._script, app_root)
+            self._script_real = None
+            if not os.path.isfile(real):
                 self.log_error(fl_ctx, f"cannot start the rank group: no script {script}")
                 self.system_panic(f"rankexec: no script {script}", fl_ctx)
                 return
+            # Pinned: the policy checks this path and every launch of the group runs it.
+            self._script_real = real
         super().handle_event(event_type, fl_ctx)
 
     def _on_rank_event(self, event: str, rank: int | None, props: dict) -> None:
