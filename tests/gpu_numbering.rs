@@ -9,7 +9,7 @@
 //! `CUDA_DEVICE_ORDER=PCI_BUS_ID`: the contract `torch.cuda.set_device(LOCAL_RANK)`,
 //! `DDP(device_ids=[local_rank])`, Lightning and Hugging Face rely on. `isolated` mode
 //! keeps one GPU per rank (device 0 everywhere) and is refused with external launchers.
-//! srun is covered by `scripts/slurm-test.sh`.
+//! srun: `tests/slurm.rs::srun_ranks_number_gpus_as_torchrun` (under `scripts/slurm-test.sh`).
 
 mod common;
 

@@ -223,6 +223,78 @@ fn srun_ranks_take_their_rank_from_slurm_and_end_run_leaves_nothing() {
 }
 
 #[test]
+fn srun_ranks_number_gpus_as_torchrun() {
+    // A declared inventory of 3 GPUs (no GPU needed): best fit places rank 0 on GPU 1
+    // and rank 1 on GPU 2; each rank sees both, its own at index SLURM_LOCALID.
+    use rankexec::executor::admission::Admission;
+    use rankexec::executor::admission::host::SysinfoHost;
+    use rankexec::executor::admission::ledger::Ledger;
+    use rankexec::executor::gpu::{FixedInventory, GpuInfo, Inventory};
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::Arc;
+
+    let conf = slurm_or_skip!();
+    let _serial = serial();
+    let logs = tempfile::tempdir().unwrap();
+    const GIB: u64 = 1 << 30;
+    let gpus = [70u64, 24, 38]
+        .iter()
+        .enumerate()
+        .map(|(i, free)| GpuInfo {
+            index: i as u32,
+            uuid: format!("GPU-slurm-{i}"),
+            name: "declared GPU".into(),
+            memory_total: 80 * GIB,
+            memory_free: free * GIB,
+            memory_used: (80 - free) * GIB,
+            utilization_gpu: None,
+            utilization_memory: None,
+            processes: vec![],
+        })
+        .collect();
+    let mut cfg = srun_config(&conf, logs.path(), "Echo");
+    cfg.resources.gpu_memory = Some(rankexec::executor::ByteSize(GIB));
+    let cfg = Arc::new(cfg);
+    let ledger = logs.path().join("ledger");
+    std::fs::create_dir_all(&ledger).unwrap();
+    std::fs::set_permissions(&ledger, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let admission = Admission::with_probes(
+        cfg.clone(),
+        Arc::new(FixedInventory(Inventory::Gpus { driver: None, gpus })),
+        Arc::new(SysinfoHost::new()),
+        Ledger::at(ledger.join("ledger.json")),
+    );
+    let exec = MultiProcessExecutor::with_admission(cfg, admission).unwrap();
+    let mut ctx = start(&exec);
+    let (srun, ranks) = launcher_and_ranks(&exec);
+    let placed = ["GPU-slurm-1", "GPU-slurm-2"];
+    for (rank, pid) in ranks.iter().enumerate() {
+        let visible = environ_var(*pid, "CUDA_VISIBLE_DEVICES").unwrap_or_default();
+        let local: usize = environ_var(*pid, "SLURM_LOCALID").unwrap().parse().unwrap();
+        let list: Vec<&str> = visible.split(',').collect();
+        assert_eq!(
+            list, placed,
+            "rank {rank} sees the group's GPUs in rank order"
+        );
+        assert_eq!(
+            list[local], placed[rank],
+            "rank {rank}: device SLURM_LOCALID"
+        );
+        assert_eq!(
+            environ_var(*pid, "CUDA_DEVICE_ORDER").as_deref(),
+            Some("PCI_BUS_ID")
+        );
+    }
+    exec.run_task("echo", Shareable::new(), &mut ctx, &Signal::new())
+        .unwrap();
+    exec.handle_event(&EventType::END_RUN, &mut ctx).unwrap();
+    let mut all = ranks.clone();
+    all.push(srun);
+    assert_gone_under_slurm(&all, "srun and its ranks after END_RUN");
+    assert_no_step_left(&conf, "END_RUN");
+}
+
+#[test]
 fn abort_reaches_ranks_under_srun() {
     let conf = slurm_or_skip!();
     let _serial = serial();
