@@ -116,19 +116,20 @@ class ClientApp(FlowerClientApp):
 
         ref = self._ref()
         blobs: dict[str, Any] = {}
+        # Plain data only (JSON values, the arrays as buffers): the host checks the app
+        # against the run's and writes the spec its ranks read (the app is its to name).
         spec = {
-            "app": ref,
             "message": _codec.encode_message(message, blobs),
             "context": _codec.encode_context(context, blobs),
             "task_id": getattr(TaskIdentity, "_task_id", None),
         }
-        blobs[_codec.SPEC_BLOB] = _codec.pack(spec)
         _share_and_release(blobs, message, context)
         req = {
             "op": "execute",
             "run_id": context.run_id,
             "app": ref,
             "request": self._request(),
+            "spec": spec,
             "blobs": {k: pickle.PickleBuffer(v) for k, v in blobs.items()},
         }
         blobs.clear()  # the request holds them until it is sent, then lets go of them

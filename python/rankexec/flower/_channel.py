@@ -11,28 +11,35 @@ authenticates its ranks:
   a client answers the host's nonce with HMAC-SHA256(secret, nonce);
 - a peer uid check (``SO_PEERCRED``) on both sides: only this uid talks to the host.
 
-Frames: a pickle (protocol 5) whose out-of-band buffers (the arrays' bytes) travel
-apart, so large payloads are never re-pickled: a buffer of at least ``SHARE_FROM``
-bytes travels as a sealed memory file passed with ``SCM_RIGHTS`` (the ClientApp copies
-its message's arrays once into one file, which the host hands to the ranks as it is;
-rank 0's result file comes back to the ClientApp the same way, mapped, not copied),
-a smaller one as raw bytes after the pickle. Pickle is only read after authentication.
+Frames carry plain data, never code: a JSON header (dicts, lists, strings, numbers,
+booleans, null) whose buffers travel apart, named in it by index (``{"$buf": i}``; a
+``bytes`` value is ``{"$bytes": i}``, a map with keys that are not strings
+``{"$map": [[k, v], ...]}``). Nothing received is unpickled: a header that is not this
+JSON is refused (``FrameRefused``, naming the format), and a value that is not JSON or a
+buffer cannot be sent. A buffer of at least ``SHARE_FROM`` bytes travels as a sealed
+memory file passed with ``SCM_RIGHTS`` (the ClientApp copies its message's arrays once
+into one file, which the host hands to the ranks as it is; rank 0's result file comes
+back to the ClientApp the same way, mapped, not copied), a smaller one as raw bytes
+after the header.
 
-Frame layout: ``<QQQ`` (pickle length, buffer count, descriptor count), then a
+Frame layout: ``<QQQ`` (header length, buffer count, descriptor count), then a
 ``<QqQ`` per buffer (length, descriptor index or -1 for raw bytes, offset in the
-file), the pickle, then the raw buffers in order; the descriptors come with the first
+file), the header, then the raw buffers in order; the descriptors come with the first
 bytes.
 
-Limits (a frame over one is refused with ``FrameRefused``, naming it): the pickle is at
-most ``MAX_HEAD`` bytes (it holds a request's structure, the arrays and the message's
-own pickle travel as buffers), a raw buffer is under ``SHARE_FROM`` bytes (larger ones
-must travel as memory files), and a frame has at most ``MAX_BUFFERS`` buffers. What a
+Limits (a frame over one is refused with ``FrameRefused``, naming it): the header is at
+most ``MAX_HEAD`` bytes (it holds a request's structure, the arrays travel as buffers)
+and nests at most ``_MAX_DEPTH`` levels when sent, a raw buffer is under ``SHARE_FROM``
+bytes (larger ones must travel as memory files), and a frame has at most
+``MAX_BUFFERS`` buffers. What a
 frame declares is never allocated ahead of its bytes: the receiver grows each part by
 ``_CHUNK`` as the bytes arrive, so a peer that declares much and sends little costs
 what it sent. ``recv`` and ``accept_auth`` take a deadline for the whole exchange.
 
 Caveats: Linux only (``SO_PEERCRED``); the base directory is ``$RANKEXEC_FLOWER_DIR``,
-else ``$XDG_RUNTIME_DIR/rankexec-flower``, else ``/tmp/rankexec-flower-<uid>``.
+else ``$XDG_RUNTIME_DIR/rankexec-flower`` when ``$XDG_RUNTIME_DIR`` is set, else
+``/tmp/rankexec-flower-<uid>``; a base that cannot be used is an error naming it, never
+another folder.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import io
+import json
 import os
 import pickle
 import secrets
@@ -78,9 +85,13 @@ class FrameRefused(ChannelError):
 
 
 def private_dir(path: Path) -> Path:
-    """Creates ``path`` with mode 0700, or checks an existing one is ours and private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.lstat()
+    """Creates ``path`` with mode 0700, or checks an existing one is ours and private.
+    A folder that cannot be made or read is a ``ChannelError`` naming it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError as e:
+        raise ChannelError(f"the folder {path} cannot be used: {e}") from e
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise ChannelError(f"{path} is not a directory owned by uid {os.getuid()}")
     if stat.S_IMODE(st.st_mode) & 0o077:
@@ -93,7 +104,14 @@ def base_dir() -> Path:
     if env:
         return private_dir(Path(env))
     run = os.environ.get("XDG_RUNTIME_DIR")
-    if run and os.path.isdir(run):
+    if run:
+        # Never another folder when this one is gone (logind removes it at the user's
+        # last logout): a host started there would serve the node beside the first.
+        if not os.path.isdir(run):
+            raise ChannelError(
+                f"$XDG_RUNTIME_DIR ({run}) is not a folder (logind removes it at the user's"
+                " last logout); set RANKEXEC_FLOWER_DIR to a folder that lasts"
+            )
         return private_dir(Path(run) / "rankexec-flower")
     return private_dir(Path(f"/tmp/rankexec-flower-{os.getuid()}"))
 
@@ -159,10 +177,12 @@ def _recv_exact(
 SHARE_FROM = 64 << 10
 #: The most descriptors one frame passes (the kernel's SCM_MAX_FD is 253).
 MAX_FDS = 64
-#: The largest pickle a frame may carry. A request's pickle holds its structure (op,
-#: run id, the app's name, its requests, the names of its blobs): a few KiB; the
-#: message itself (its arrays, and the pickle of its records) travels as buffers.
+#: The largest JSON header a frame may carry. A request's header holds its structure
+#: (op, run id, the app's name, its requests, the message's metadata and records but
+#: not their arrays): a few KiB; the arrays travel as buffers.
 MAX_HEAD = 16 << 20
+#: The deepest a frame's values nest.
+_MAX_DEPTH = 64
 #: The most buffers one frame may carry.
 MAX_BUFFERS = 1 << 20
 _FIXED = struct.Struct("<QQQ")
@@ -185,28 +205,51 @@ def _memfd(obj: Any) -> tuple[int, int] | None:
     return None
 
 
-def _as_is(buffer: Any) -> Any:
-    """What a rankexec blob is unpickled as: the buffer the channel received."""
-    return buffer
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles rankexec's blobs (``Blob``, ``HostBlob``) out of band, as buffers: the
-    channel passes their memory files instead of their bytes."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj).__module__.startswith("rankexec") and hasattr(obj, "fileno"):
-            return _as_is, (pickle.PickleBuffer(obj),)
-        return NotImplemented
+def _flatten(obj: Any, bufs: list[Any], depth: int = 0) -> Any:
+    """``obj`` as JSON values, its buffers appended to ``bufs`` and named by index:
+    ``{"$buf": i}`` (a buffer: ``PickleBuffer``, ``memoryview``, ``bytearray``, a rankexec
+    blob), ``{"$bytes": i}`` (a ``bytes`` value, received as ``bytes``), ``{"$map":
+    [[key, value], ...]}`` (a dict whose keys are not all strings, or one of which starts
+    with ``$``). Anything else that is not a JSON value is refused: no object travels."""
+    if depth > _MAX_DEPTH:
+        raise ChannelError(f"a frame nests deeper than {_MAX_DEPTH} levels")
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, bytes):
+        bufs.append(pickle.PickleBuffer(obj))
+        return {"$bytes": len(bufs) - 1}
+    if isinstance(obj, (pickle.PickleBuffer, memoryview, bytearray)) or (
+        type(obj).__module__.startswith("rankexec") and hasattr(obj, "fileno")
+    ):
+        bufs.append(obj if isinstance(obj, pickle.PickleBuffer) else pickle.PickleBuffer(obj))
+        return {"$buf": len(bufs) - 1}
+    if isinstance(obj, (list, tuple)):
+        return [_flatten(x, bufs, depth + 1) for x in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            return {k: _flatten(v, bufs, depth + 1) for k, v in obj.items()}
+        return {
+            "$map": [
+                [_flatten(k, bufs, depth + 1), _flatten(v, bufs, depth + 1)] for k, v in obj.items()
+            ]
+        }
+    raise ChannelError(
+        f"a {type(obj).__name__} cannot travel on the channel (JSON values and buffers only)"
+    )
 
 
 def send(sock: socket.socket, obj: Any) -> None:
+    """Sends ``obj``: JSON values (dicts, lists, strings, numbers, booleans, None) whose
+    buffers and ``bytes`` travel apart (see the module docs)."""
     from rankexec._rankexec import share
 
     buffers: list[pickle.PickleBuffer] = []
-    out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
-    head = out.getbuffer()
+    head = json.dumps(_flatten(obj, buffers), separators=(",", ":")).encode()
+    if len(head) > MAX_HEAD:
+        raise FrameRefused(
+            f"a frame's header of {len(head)} bytes is over the limit of {MAX_HEAD} bytes"
+            f" ({_mib(MAX_HEAD)}, rankexec.flower._channel.MAX_HEAD)"
+        )
     raws = [b.raw() for b in buffers]
     owners = [_owner(r) for r in raws]
     # Large buffers that are not in a memory file yet go into one, together.
@@ -290,7 +333,7 @@ def recv(sock: socket.socket, deadline: float | None = None) -> Any:
             )
         if n_head > MAX_HEAD:
             raise FrameRefused(
-                f"a frame declares a pickle of {n_head} bytes; the limit is {MAX_HEAD}"
+                f"a frame declares a header of {n_head} bytes; the limit is {MAX_HEAD}"
                 f" bytes ({_mib(MAX_HEAD)}, rankexec.flower._channel.MAX_HEAD)"
             )
         if n_bufs > MAX_BUFFERS:
@@ -330,7 +373,50 @@ def recv(sock: socket.socket, deadline: float | None = None) -> Any:
     finally:
         for fd in fds:  # the blobs hold their own duplicates
             os.close(fd)
-    return pickle.loads(head, buffers=bufs)
+    return _decode(head, bufs)
+
+
+def _decode(head: bytearray, bufs: list[Any]) -> Any:
+    """A frame's header read as JSON, its buffer references replaced by the buffers
+    (see ``_flatten``); never anything else: a header that is not this channel's JSON
+    is refused (``FrameRefused``, naming the format)."""
+    used: set[int] = set()
+
+    def buffer(i: Any) -> Any:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(bufs) or i in used:
+            raise FrameRefused(f"the frame's header names buffer {i!r} of {len(bufs)}")
+        used.add(i)
+        return bufs[i]
+
+    def hook(d: dict[str, Any]) -> Any:
+        special = [k for k in d if k.startswith("$")]
+        if not special:
+            return d
+        if len(d) != 1:
+            raise FrameRefused(f"the frame's header holds a malformed object (keys {special})")
+        if "$buf" in d:
+            return buffer(d["$buf"])
+        if "$bytes" in d:
+            return bytes(buffer(d["$bytes"]))
+        pairs = d.get("$map")
+        if isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 for p in pairs):
+            try:
+                return dict(pairs)
+            except TypeError as e:
+                raise FrameRefused(f"the frame's header holds a malformed map: {e}") from e
+        raise FrameRefused(f"the frame's header holds an unknown tag {special[0]!r}")
+
+    try:
+        text = bytes(head).decode("utf-8")
+        obj = json.loads(text, object_hook=hook)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FrameRefused(
+            "the frame's header is not JSON: this channel carries a JSON header and"
+            f" buffers, never a pickle or any other code ({type(e).__name__}: {e})"
+        ) from None
+    if len(used) != len(bufs):
+        raise FrameRefused(f"{len(bufs) - len(used)} buffers arrived that the header does not name")
+    return obj
 
 
 def accept_auth(conn: socket.socket, secret: bytes, timeout: float = 10.0) -> None:

@@ -1,8 +1,9 @@
 """The rank side of ``rankexec.flower``: a component that runs the Flower handlers.
 
 Why: every rank of the group runs ``python -m rankexec.worker`` with this component;
-for each message it imports the user's app module once (from the installed FAB's
-folder, like ``flwr-clientapp`` does, but only on the first message of the run), sets
+it imports the app the host recorded for the run (the host, not the peer, writes the
+spec the ranks read: plain JSON) once, at the run's first message, from the installed
+FAB's folder like ``flwr-clientapp`` does, and refuses a spec that names another; sets
 Flower's task identity, rebuilds the ``Message`` and ``Context`` (arrays as read-only
 views of the shared memory the host filled) and calls the app's handler through
 Flower's own routing (``flwr.clientapp.ClientApp.__call__``: message type, action,
@@ -47,19 +48,32 @@ class FlowerRank:
     """A rankexec component that serves Flower messages (see the module docs)."""
 
     def __init__(self) -> None:
-        self._apps: dict[tuple[str, str, str], Any] = {}
+        self._ref: tuple[str, str, str] | None = None
+        self._app_obj: Any = None
         atexit.register(_exit_after_close)
 
-    def _app(self, ref: dict[str, Any]) -> Any:
+    def _app(self, ref: Any) -> Any:
+        """The app the host named for this rank's run: imported at the first message, the
+        same for the rank's life; a spec that names another is refused (nothing of it is
+        imported)."""
+        if not isinstance(ref, dict) or set(ref) != {"app_dir", "module", "attr"}:
+            raise RuntimeError("the message's spec names no app (app_dir, module, attr)")
         key = (ref["app_dir"], ref["module"], ref["attr"])
-        app = self._apps.get(key)
-        if app is None:
-            if ref["app_dir"] and ref["app_dir"] not in sys.path:
-                sys.path.insert(0, ref["app_dir"])
-            module = importlib.import_module(ref["module"])
-            app = getattr(module, ref["attr"])
-            self._apps[key] = app
-        return app
+        if not all(isinstance(x, str) for x in key):
+            raise RuntimeError("the message's spec names a malformed app")
+        if self._ref is not None:
+            if key != self._ref:
+                raise RuntimeError(
+                    "the app this message names does not match the app this rank serves"
+                    " (one app per run); refused, nothing imported"
+                )
+            return self._app_obj
+        if ref["app_dir"] and ref["app_dir"] not in sys.path:
+            sys.path.insert(0, ref["app_dir"])
+        module = importlib.import_module(ref["module"])
+        self._app_obj = getattr(module, ref["attr"])
+        self._ref = key
+        return self._app_obj
 
     def handle_event(self, event: str, ctx: Any) -> None:
         """``_end_run`` (the host closes the group): leave torch's process group, if the

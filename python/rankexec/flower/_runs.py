@@ -2,10 +2,14 @@
 
 Why: two Flower runs may reach one SuperNode at once; each keeps its own group, its
 own lock (one message of that run at a time), its own lease and its own app. A group
-belongs to one (run, node) for its life: a message of the run that names another app
-is refused (never imported into the run's live ranks), a close names its run and its
-app, and a run's end (``close_groups``, ``flwr stop``, the idle lease) removes the
-run's rank logs unless the site keeps them (``log_dir``).
+belongs to one (run, node) for its life: the host records the run's app at its first
+request that the site allows (``app_ref``: a module and an attribute, from the
+request's plain header) and writes the spec its ranks read itself, naming that app; a
+request or a close of the run that names another app is refused (never imported into
+the run's live ranks), and the refusal does not name the run's app. A request's spec
+is plain data (``_spec``: the message and context as ``_codec`` writes them, no app,
+no spec blob of the peer's). A run's end (``close_groups``, ``flwr stop``, the idle
+lease) removes the run's rank logs unless the site keeps them (``log_dir``).
 
 Caveats: the channel proves the caller's uid, not its run: a request is taken at its
 word about which run it belongs to, and can only ever touch the group of the run and
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import threading
 import time
@@ -23,9 +28,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower import _site
+from rankexec.flower import _codec, _site
 
-__all__ = ["Run"]
+__all__ = ["Run", "app_ref"]
 
 
 class Run:
@@ -77,14 +82,13 @@ class Run:
         from rankexec.host import Aborted, RankexecError, RankFailed, RankGroup, StartupFailed
 
         self.last_active = time.monotonic()
-        app = req.get("app")
-        if not isinstance(app, Mapping) or set(app) != {"app_dir", "module", "attr"}:
+        app = app_ref(req.get("app"))
+        if app is None:
             return {"error": "the request names no app (app_dir, module, attr)", "rank": None}
-        if self.app is not None and dict(app) != self.app:
+        if self.app is not None and app != self.app:
             return {
-                "error": f"run {self.run_id}'s group on this node serves the app"
-                f" {json.dumps(self.app)}; a request for another app"
-                f" ({json.dumps(dict(app))}) is refused (one app per run)",
+                "error": f"run {self.run_id}: this run's app does not match the app the"
+                " request names; refused (one app per run)",
                 "rank": None,
                 "kind": "SiteError",
             }
@@ -93,6 +97,10 @@ class Run:
         except _site.SiteError as e:
             log(f"refused a request of run {self.run_id}: {e}")
             return {"error": str(e), "rank": None, "kind": "SiteError"}
+        spec, why = _spec(req)
+        if spec is None:
+            log(f"refused a request of run {self.run_id}: {why}")
+            return {"error": why, "rank": None}
         key = json.dumps(cfg, sort_keys=True)
         if self.group is not None and self.key != key:
             self.close_group("the site's settings or the app's requests changed", log)
@@ -105,10 +113,15 @@ class Run:
                 self.key = key
                 self.group.start()
             self.busy = True
+            # The ranks read the spec the host writes: the run's recorded app, and the
+            # message as plain data (nothing of the peer's is unpickled anywhere).
+            # (The request's own map: ``consume`` lets go of what the host read.)
+            blobs: dict[str, Any] = req["blobs"]
+            blobs[_codec.SPEC_BLOB] = _codec.pack({"app": self.app, **spec})
             res = self.group.execute(
                 "flower",
                 {},
-                req["blobs"],
+                blobs,
                 abort_check=lambda: self.abort_reason is not None,
                 poll_s=0.05,
                 abort_reason="the Flower run was stopped",
@@ -117,7 +130,7 @@ class Run:
                 consume=True,
             )
             blobs = {k: v for k, v in res.blobs.items()}
-            retries = [dict(r) for r in res.retries]
+            retries = [_plain(dict(r)) for r in res.retries]
             if retries:
                 # restart.retry_task: a rank's death from outside cost a retry, not the
                 # message; the reply is the relaunched group's.
@@ -132,7 +145,7 @@ class Run:
                 # The rank's traceback: its last line first (the exception), then all.
                 lines = [ln for ln in str(remote).strip().splitlines() if ln.strip()]
                 cause = f"{lines[-1].strip()}\n{remote}" if lines else cause
-            retries = list(getattr(e, "retries", None) or [])
+            retries = [_plain(dict(r)) for r in getattr(e, "retries", None) or []]
             if retries:
                 cause = f"{cause} (after {_tries(retries)})"
             self.close_group(f"rank {rank} failed", log)
@@ -168,6 +181,54 @@ class Run:
             "pids": group.pids() if group is not None else [],
             "busy": self.busy,
         }
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+#: What a request's ``spec`` may hold: the message and context as ``_codec`` writes them.
+_SPEC_KEYS = {"message", "context", "task_id"}
+
+
+def app_ref(app: Any) -> dict[str, str] | None:
+    """A request's app (``app_dir``, ``module``, ``attr``: strings, a dotted module name
+    and an identifier), or None when it names none or a malformed one."""
+    if not isinstance(app, Mapping) or set(app) != {"app_dir", "module", "attr"}:
+        return None
+    ref = {k: app[k] for k in ("app_dir", "module", "attr")}
+    if not all(isinstance(v, str) for v in ref.values()) or "\0" in ref["app_dir"]:
+        return None
+    if not _MODULE.fullmatch(ref["module"]) or not _NAME.fullmatch(ref["attr"]):
+        return None
+    return ref
+
+
+def _spec(req: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The request's message spec, checked: plain data (the channel reads nothing else)
+    with only the keys ``_codec`` writes; the app is the host's to name, and the spec
+    blob the host's to write."""
+    spec = req.get("spec")
+    if not isinstance(spec, Mapping) or not {"message", "context"} <= set(spec):
+        return None, "the request carries no message spec (message, context)"
+    extra = sorted(set(spec) - _SPEC_KEYS)
+    if extra:
+        return None, (
+            f"the request's spec holds {extra}; a spec holds only {sorted(_SPEC_KEYS)}"
+            " (the host names the run's app to its ranks)"
+        )
+    blobs = req.get("blobs")
+    if not isinstance(blobs, Mapping) or not all(isinstance(k, str) for k in blobs):
+        return None, "the request's blobs are not a map of names to buffers"
+    if _codec.SPEC_BLOB in blobs:
+        return None, f"the request carries a blob named {_codec.SPEC_BLOB}; the host writes it"
+    return dict(spec), ""
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    """A retry's report as JSON values (what is not one, as its text)."""
+    return {
+        str(k): v if v is None or isinstance(v, (bool, int, float, str)) else str(v)
+        for k, v in d.items()
+    }
 
 
 def _tries(retries: list[Any]) -> str:

@@ -16,9 +16,15 @@ Runs apart: each run keeps its own group (``_runs.Run``, keyed by run id on this
 node), up to the site's ``max_runs``; a message of one run never closes, reuses or
 imports into another run's group, and each run's end closes its own.
 
-One host per node: the host holds ``host.lock`` (an exclusive ``flock``, with its pid
-in it) for its whole life; a second host refuses to start naming the first's pid
-(exit code 3), and a host removes only the socket and secret it made.
+One host per node, whatever happens to the node's folder: the host holds, for its whole
+life, a lock socket (a Linux abstract Unix socket named from the uid and the folder's
+path, ``_lock_name``: no file, so removing the folder does not free it, and it goes with
+the process) and ``host.lock`` (an exclusive ``flock``, with its pid in it). A second
+host refuses to start naming the first's pid (exit code 3; it reads it from the lock
+socket, ``SO_PEERCRED``), and a host removes only the socket and secret it made. A host
+whose folder, ``host.lock``, socket or secret is removed or replaced (logind removes
+``/run/user/<uid>`` at the user's last logout) serves nobody any more and shuts down
+(its watch checks them every quarter second).
 
 A run's group ends, and nothing of it is left (its rank logs included, unless the
 site's ``log_dir`` keeps them), when:
@@ -33,18 +39,28 @@ site's ``log_dir`` keeps them), when:
   ``deadlines.abort_grace``) and the group closes;
 - the idle lease runs out (no message of the run for ``lease`` seconds).
 
-The host ends, with every group, when its SuperNode dies (it watches its pid), on
-SIGTERM/SIGINT, or after a lease with no run. A rank that raises or dies fails the
-message (the ClientApp answers with Flower's ``Error``); that run's group is closed and
-its next message starts a new one.
+The host ends, with every group, when its SuperNode dies (a pidfd of it wakes the host
+at once; ``/proc`` every quarter second where no pidfd can be had), on SIGTERM/SIGINT,
+when its folder goes, or after a lease with no run. After the SuperNode's death its
+groups are killed at once (closed with no grace, a task in flight included): the node
+is gone, nobody takes a result, and ``--shutdown-wait`` does not apply. A rank that
+raises or dies fails the message (the ClientApp answers with Flower's ``Error``); that
+run's group is closed and its next message starts a new one.
 
 Caveats: the run-status check needs the SuperLink to answer (a SuperLink that cannot
 be reached leaves the run to the idle lease) and, with SuperNode authentication, the
 node's key (the SuperNode's ``--auth-supernode-private-key``, or ``--node-key`` for a
 host the site starts); without node authentication it registers a probe key that is
 never online (see ``_runcheck``). The channel proves the
-caller's uid, not its run (see ``_runs``). ``host.log`` is cut back to its last
-``_LOG_KEEP`` bytes when it passes ``_LOG_MAX``. On shutdown the host waits up to
+caller's uid, not its run (see ``_runs``): requests are plain data (the channel's JSON
+header and buffers; the host unpickles nothing), every request and every close names
+its run and app and is checked against the app the host recorded for the run, and the
+host writes the spec its ranks read. Against a process of the host's own user this is
+a protocol, not a wall (it can read the secret, signal the host); a host run as its
+own service user is what makes the boundary real. ``host.log`` is cut back to its last
+``_LOG_KEEP`` bytes when it passes ``_LOG_MAX``. The lock socket's name can be taken
+first by another user's process (abstract names have no owner): the host then refuses
+to start, naming that pid and uid. On shutdown the host waits up to
 ``--shutdown-wait`` (``_SHUTDOWN_WAIT_S``) for each task in flight to return after its
 abort, and its serving thread closes its group; a task that does not return by then
 keeps its group (nothing closes it under the task) and the host exits: its ranks see
@@ -70,7 +86,9 @@ import argparse
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
+import select
 import signal
 import socket
 import stat
@@ -81,12 +99,17 @@ from pathlib import Path
 from typing import Any
 
 from rankexec.flower import _channel, _runcheck, _site
-from rankexec.flower._runs import Run
+from rankexec.flower._runs import Run, app_ref
 
 __all__ = ["HOST_TAKEN_EXIT", "Host", "HostTaken", "main"]
 
 HOST_TAKEN_EXIT = 3
 _SHUTDOWN_WAIT_S = 30.0
+#: After the SuperNode's death: seconds the groups' kill (closed with no grace) and then
+#: the serving threads have, each; nobody waits for a task's result from a node that is
+#: gone (``--shutdown-wait`` is for an orderly stop).
+_GONE_KILL_S = 10.0
+_GONE_WAIT_S = 5.0
 _LOG_MAX = 4 << 20
 _LOG_KEEP = 1 << 20
 #: Seconds a connection has for the whole handshake (nonce, answer, OK).
@@ -108,7 +131,7 @@ _NOFILE_UNLIMITED = 1 << 20
 
 
 class HostTaken(RuntimeError):
-    """Another live host holds the node's ``host.lock``."""
+    """Another live host holds the node (its lock socket, or its ``host.lock``)."""
 
 
 def _log(text: str) -> None:
@@ -160,6 +183,42 @@ def _pid_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def _lock_name(directory: Path) -> bytes:
+    """The node's lock: a Linux abstract Unix socket name (no file, so nothing can
+    remove it under the host; it goes with the host's process). From this uid and the
+    node folder's path (hashed): the hosts of one folder exclude each other whatever
+    happens to the folder, while separate base folders (separate deployments, test
+    suites) stay apart."""
+    path = os.fsencode(os.path.abspath(directory))
+    digest = hashlib.sha256(path).hexdigest()[:24]
+    return f"\0rankexec-flower-{os.getuid()}-{directory.name[:40]}-{digest}".encode()
+
+
+def _lock_holder(name: bytes) -> str:
+    """Who holds the lock socket ``name``: its listener's pid (``SO_PEERCRED``), with
+    its uid when that is not ours; ``unknown`` when it does not answer in time."""
+    import struct
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.connect(name)
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return "unknown"
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return str(pid) if uid == os.getuid() else f"{pid}, of uid {uid}, not this user"
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it exits), or None where none can be had (an
+    old kernel, the process already gone): then the watch reads ``/proc`` instead."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
 
 
 class Host:
@@ -226,6 +285,10 @@ class Host:
         self.secret = b""
         self._made: dict[str, int] = {}  # file name -> inode of what this host created
         self._lock_fd: int | None = None
+        self._lock_sock: socket.socket | None = None  # the node's abstract lock
+        self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the folder
+        self._pidfd: int | None = None  # the SuperNode's, where pidfds work
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # ends the sentinel's wait
 
     def read_site(self) -> dict[str, Any]:
         """The site's rules as they are now (read for every message)."""
@@ -283,21 +346,32 @@ class Host:
         return report
 
     def _close(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A close names its run and its app, and is checked like any request: one that
+        names no app, or an app that is not the run's, ends nothing."""
         run_id = req.get("run_id")
+        app = app_ref(req.get("app"))
+        if not isinstance(run_id, int) or isinstance(run_id, bool) or app is None:
+            return {
+                "error": "a close names its run id and its app (app_dir, module, attr);"
+                " this one is refused",
+                "closed": False,
+                "rank": None,
+            }
         with self.lock:
             self.last_active = time.monotonic()
-            run = self.runs.get(run_id) if isinstance(run_id, int) else None
+            run = self.runs.get(run_id)
         if run is None:
             return {"closed": False, "pids": []}
         with run.lock:
-            app = req.get("app")
-            if run.app is not None and app is not None and dict(app) != run.app:
-                return {
-                    "error": f"run {run_id}'s group serves another app; this close is refused",
-                    "rank": None,
-                }
             if run.ended:
                 return {"closed": False, "pids": []}
+            if run.app != app:
+                return {
+                    "error": f"run {run_id}: this run's app does not match the app the close"
+                    " names; refused",
+                    "closed": False,
+                    "rank": None,
+                }
             report = self._end_run(run, "closed by the ServerApp")
             return {"closed": True, "pids": report.get("pids", [])}
 
@@ -356,10 +430,21 @@ class Host:
         return self.runcheck is not None and self.runcheck.finished(run_id) is True
 
     def _watch(self) -> None:
+        """Every quarter second: the node's folder and files (``_node_lost``), each run's
+        status and lease, the host's own lease; the SuperNode's pid too where no pidfd
+        could be had (the sentinel watches it otherwise)."""
         next_status: dict[int, float] = {}
         while not self.stopping.wait(0.25):
-            if self.supernode_pid is not None and not _pid_alive(self.supernode_pid):
-                self.shutdown(f"the SuperNode (pid {self.supernode_pid}) is gone")
+            if (
+                self._pidfd is None
+                and self.supernode_pid is not None
+                and not _pid_alive(self.supernode_pid)
+            ):
+                self.shutdown(f"the SuperNode (pid {self.supernode_pid}) is gone", node_gone=True)
+                return
+            lost = self._node_lost()
+            if lost is not None:
+                self.shutdown(lost)
                 return
             now = time.monotonic()
             with self.lock:
@@ -396,18 +481,102 @@ class Host:
         _log(f"aborting run {run.run_id}'s task in flight: {why}")
         run.abort(why)
 
-    def shutdown(self, why: str) -> None:
+    def _sentinel(self) -> None:
+        """Wakes for the SuperNode's death (its pidfd turns readable), for a host that
+        asks who holds the node (a connection to the lock socket: accepted and closed,
+        it read this pid from it), or for this host's stop (``shutdown`` writes the wake
+        pipe). The wait has no timeout: one of these ends it, nothing else is waited for."""
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        if self._pidfd is not None:
+            poller.register(self._pidfd, select.POLLIN)
+        lock = self._lock_sock
+        if lock is not None:
+            poller.register(lock.fileno(), select.POLLIN)
+        while not self.stopping.is_set():
+            for fd, _events in poller.poll():
+                if fd == self._pidfd:
+                    why = f"the SuperNode (pid {self.supernode_pid}) is gone"
+                    self.shutdown(why, node_gone=True)
+                    return
+                if lock is not None and fd == lock.fileno():
+                    with contextlib.suppress(OSError):
+                        lock.accept()[0].close()
+
+    def _node_lost(self) -> str | None:
+        """Why the node's folder, ``host.lock``, socket or secret is no longer what this
+        host made or opened (removed, or replaced), or None while they all are: a host
+        whose folder is gone serves nobody (its socket cannot be reached) and leaves."""
+        if self._dir_id is None:
+            return None
+        try:
+            st = self.dir.lstat()
+        except OSError:
+            return f"its folder {self.dir} was removed"
+        if (st.st_dev, st.st_ino) != self._dir_id:
+            return f"its folder {self.dir} was replaced"
+        made = dict(self._made)
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                made["host.lock"] = os.fstat(self._lock_fd).st_ino
+        for name in ("host.lock", "host.sock", "secret"):
+            if name not in made:
+                continue
+            try:
+                ino = (self.dir / name).lstat().st_ino
+            except OSError:
+                return f"its folder {self.dir} lost its {name} (removed)"
+            if ino != made[name]:
+                return f"its folder {self.dir} holds another {name} (replaced)"
+        return None
+
+    def _kill_groups(self, runs: list[Run], why: str) -> None:
+        """The node is gone: every run's group is closed now with no grace (``SIGTERM``
+        at once, ``SIGKILL`` after the term grace), its task in flight or not (the
+        executor fails the task: ``the job is ending``), all at once, each within
+        ``_GONE_KILL_S``."""
+
+        def kill(run: Run, group: Any) -> None:
+            try:
+                report = group.close(0.0)
+                _log(f"killed the group of run {run.run_id} ({why}): {report}")
+            except Exception as e:  # noqa: BLE001 - logged; the host's exit ends the rest
+                _log(f"killing the group of run {run.run_id} failed: {type(e).__name__}: {e}")
+
+        threads = []
+        for run in runs:
+            run.abort(why)
+            group = run.group
+            if group is not None:
+                t = threading.Thread(target=kill, args=(run, group), daemon=True)
+                t.start()
+                threads.append(t)
+        deadline = time.monotonic() + _GONE_KILL_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def shutdown(self, why: str, *, node_gone: bool = False) -> None:
+        """Stops the host (once): aborts each task in flight and waits up to
+        ``shutdown_wait_s`` for it, closes every group, removes the host's files. With
+        ``node_gone`` (the SuperNode died) the groups are killed at once instead and no
+        task is waited for beyond ``_GONE_WAIT_S``: nobody takes its result."""
         if self.stopping.is_set():
             return
         _log(f"shutting down: {why}")
         self.stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         try:
             with self.lock:
                 runs = list(self.runs.values())
-            for run in runs:
-                if run.busy:
-                    run.abort(why)
-            deadline = time.monotonic() + self.shutdown_wait_s
+            if node_gone:
+                self._kill_groups(runs, why)
+            else:
+                for run in runs:
+                    if run.busy:
+                        run.abort(why)
+            wait = _GONE_WAIT_S if node_gone else self.shutdown_wait_s
+            deadline = time.monotonic() + wait
             for run in runs:
                 if run.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                     try:
@@ -418,7 +587,7 @@ class Host:
                 else:
                     _log(
                         f"run {run.run_id}'s task did not return within"
-                        f" {self.shutdown_wait_s}s of its abort; the host exits without"
+                        f" {wait}s of its abort; the host exits without"
                         " closing its group under it (its ranks follow their parent)"
                     )
             for name in ("host.sock", "secret", "host.pid"):
@@ -431,7 +600,27 @@ class Host:
     # ---- the node's files ------------------------------------------------------------
 
     def _take_node(self) -> None:
-        """Holds ``host.lock`` for this process's life, or raises ``HostTaken``."""
+        """Holds the node for this process's life, or raises ``HostTaken``: first its
+        lock socket (``_lock_name``: an abstract Unix socket, which no removal of the
+        folder frees; a second host reads the holder's pid from it), then ``host.lock``
+        (an exclusive ``flock``, with the pid in it: hosts in other network namespaces,
+        while the folder lives)."""
+        lock_name = _lock_name(self.dir)
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lock.bind(lock_name)
+        except OSError as e:
+            lock.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise HostTaken(
+                f"another rankexec host (pid {_lock_holder(lock_name)}) serves node"
+                f" {self.node_id} from {self.dir} (it holds the lock socket"
+                f" @{lock_name[1:].decode()}); this one does not start"
+            ) from None
+        lock.listen(8)
+        lock.setblocking(False)
+        self._lock_sock = lock
         path = self.dir / "host.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -439,6 +628,7 @@ class Host:
         except BlockingIOError:
             other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            self._release_node()
             raise HostTaken(
                 f"another rankexec host (pid {other}) serves node {self.node_id} from"
                 f" {self.dir} (it holds {path}); this one does not start"
@@ -450,6 +640,15 @@ class Host:
         for name in ("host.sock", "secret", "host.pid"):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
+
+    def _release_node(self) -> None:
+        """Lets the node go (the process's exit does it too)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self._lock_sock is not None:
+            self._lock_sock.close()
+            self._lock_sock = None
 
     def _note_made(self, name: str) -> None:
         self._made[name] = (self.dir / name).lstat().st_ino
@@ -464,6 +663,8 @@ class Host:
     def serve(self) -> int:
         if self._lock_fd is None:
             self._take_node()
+        st = self.dir.lstat()
+        self._dir_id = (st.st_dev, st.st_ino)
         self.secret = _channel.write_secret(self.dir / "secret")
         self._note_made("secret")
         path = self.dir / "host.sock"
@@ -482,6 +683,11 @@ class Host:
             f" SuperLink {self.superlink}, lease {self.lease_s}s, site file"
             f" {self.site_file}, node config {self.node_config})"
         )
+        if self.supernode_pid is not None:
+            self._pidfd = _open_pidfd(self.supernode_pid)
+            how = "a pidfd" if self._pidfd is not None else "/proc, every 0.25s (no pidfd)"
+            _log(f"watching the SuperNode (pid {self.supernode_pid}) through {how}")
+        threading.Thread(target=self._sentinel, name="sentinel", daemon=True).start()
         threading.Thread(target=self._watch, name="watch", daemon=True).start()
         try:
             self._accept_loop(srv)
@@ -595,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
         "--shutdown-wait",
         type=float,
         default=_SHUTDOWN_WAIT_S,
-        help="on SIGTERM, seconds a task in flight has to return after its abort"
+        help="on SIGTERM, seconds a task in flight has to return after its abort (not"
+        " after the SuperNode's death: its groups are killed at once)"
         f" (default {_SHUTDOWN_WAIT_S:g})",
     )
     p.add_argument(
