@@ -36,7 +36,8 @@ Site file (JSON object; unknown keys refuse every request), all optional:
   run's message is refused naming the runs that hold the node;
 - ``lease_s`` (default 300), ``superlink``: the host's idle lease and run-status check;
 - ``log_dir``: a folder the operator keeps for the ranks' logs (``run-<id>`` under it,
-  kept); without it the logs live in the node's folder and go with their run.
+  kept); without it the logs live in a private folder on disk
+  (``$XDG_STATE_HOME/rankexec-flower/node-<id>``) and go with their run.
 
 Caveats: the request keys ``deadlines``, ``resources`` and ``restart`` are the app's
 own bounds and pass as they are (rankexec's configuration parser refuses unknown

@@ -322,7 +322,7 @@ class Host:
                             "kind": "SiteError",
                         }
                     keep = bool(site.get("log_dir"))
-                    logs = Path(site["log_dir"]) if keep else self.dir
+                    logs = Path(site["log_dir"]) if keep else self._scratch_logs()
                     run = Run(run_id, self.node_id, logs / f"run-{run_id}", keep)
                     self.runs[run_id] = run
             with run.lock:
@@ -659,6 +659,27 @@ class Host:
         with contextlib.suppress(OSError):
             if ino is not None and path.lstat().st_ino == ino:
                 path.unlink()
+
+    def _scratch_logs(self) -> Path:
+        """Where a run's rank logs go when the site keeps none: the node's folder when
+        the operator chose it (``RANKEXEC_FLOWER_DIR``), else a private folder on disk
+        (``$XDG_STATE_HOME/rankexec-flower/node-<id>``, else ``~/.local/state/...``),
+        not the default node folder, which is memory (tmpfs under ``$XDG_RUNTIME_DIR``)
+        beside the user's admission ledger; the run's logs are removed with its group
+        all the same. A home that cannot be written falls back to the node's folder,
+        logged once."""
+        if os.environ.get("RANKEXEC_FLOWER_DIR"):
+            return self.dir  # the operator chose the node's folder: the logs go there too
+        state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        folder = Path(state) / "rankexec-flower" / f"node-{self.node_id}"
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return _channel.private_dir(folder)
+        except (OSError, _channel.ChannelError) as e:
+            if not getattr(self, "_scratch_warned", False):
+                self._scratch_warned = True
+                _log(f"rank logs stay in the node's folder {self.dir}: {e}")
+            return self.dir
 
     def serve(self) -> int:
         if self._lock_fd is None:

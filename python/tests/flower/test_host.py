@@ -540,3 +540,32 @@ def test_the_node_host_numbers_gpus_as_torchrun(tmp_path, monkeypatch) -> None:
         wait_until(lambda: not pid_alive(host_pid), 30, "the host gone")
     finally:
         _forget_app("gpuapp")
+
+
+def test_rank_logs_go_to_disk_not_the_memory_folder(tmp_path, monkeypatch) -> None:
+    # The default node folder is under $XDG_RUNTIME_DIR (memory); a run's rank logs go to
+    # $XDG_STATE_HOME/rankexec-flower/node-<id> on disk, and go with the run.
+    app = _install_app(tmp_path, monkeypatch, "diskapp", APP)
+    monkeypatch.delenv("RANKEXEC_FLOWER_DIR")
+    (tmp_path / "runtime").mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    node = 7302
+    try:
+        reply, _ = _call(app, node)
+        assert not reply.has_error(), reply.error
+        st = host_status(node)
+        assert st is not None
+        host_pid, ranks = st["pid"], st["pids"]
+        on_disk = tmp_path / "state" / "rankexec-flower" / f"node-{node}" / "run-41"
+        in_memory = tmp_path / "runtime" / "rankexec-flower" / f"node-{node}" / "run-41"
+        assert (on_disk / "rank-0" / "stderr.log").is_file(), sorted(tmp_path.rglob("*.log"))
+        assert not in_memory.exists()
+        close = Message(RecordDict(), dst_node_id=node, message_type=CLOSE_MESSAGE_TYPE)
+        app(close, Context(41, node, {}, RecordDict(), {}))
+        wait_until(lambda: not any(pid_alive(p) for p in ranks), 30, "the closed group gone")
+        wait_until(lambda: not on_disk.exists(), 30, "the run's logs removed with it")
+        os.kill(host_pid, signal.SIGTERM)
+        wait_until(lambda: not pid_alive(host_pid), 30, "the host gone")
+    finally:
+        _forget_app("diskapp")
