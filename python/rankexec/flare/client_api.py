@@ -21,7 +21,8 @@ constant: True once for each task the group is sent, False at the run's end, so 
 ``while flare.is_running()`` on every rank (FLARE's Lightning example, whose first
 ``strategy.broadcast`` is a no-op before Lightning sets up the process group) runs one
 iteration per task on every rank and ends on every rank. With ``all_ranks_receive``
-every rank receives the model (copy-on-write views of the same shared memory); a
+every rank receives the model (copy-on-write views of the same shared memory, which
+alone keep it mapped) and may ask the task's name and kind; a
 rank's task is answered by its ``send()`` (only rank 0's result counts) or when it asks
 for the next one (``receive()``/``is_running()``), whether or not it still holds the
 model (Lightning's callback clears it).
@@ -249,6 +250,10 @@ class RankClientAPI(InProcessClientAPI):
                 params = unpack_flat(
                     task.blobs, fl.get("param_specs"), fl.get("param_values"), writable=True
                 )
+                # The views keep the memory file mapped while the script holds them; the
+                # task no longer does, so a script that takes its part (an FSDP shard)
+                # and drops the rest lets the file go before the task ends.
+                task.blobs.clear()
             else:
                 params = self._own_params(task, fl.get("param_specs"), fl.get("param_values"))
             params = convert_params(
@@ -425,7 +430,8 @@ class RankClientAPI(InProcessClientAPI):
         return str(self._config.get("site_name", ""))
 
     def _require_control(self, what: str) -> None:
-        if not self._is_control():
+        # FLARE's rule; with all_ranks_receive every rank holds the task and may ask.
+        if not self._is_control() and not (self._all_ranks and what != "log"):
             raise RuntimeError(f"only rank 0 can call {what}!")
 
     def get_task_name(self) -> str:
