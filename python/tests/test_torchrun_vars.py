@@ -52,6 +52,10 @@ def test_python_ranks_get_torchrun_s_variables_and_gpu_numbering(
     if name == "mpirun" and shutil.which("mpirun") is None:
         pytest.skip("no mpirun (Open MPI) in PATH")
     monkeypatch.setenv("RANKEXEC_GPU_INVENTORY", "4x16GiB")
+    # This process's own GPU settings restrict the inventory (a test before this one in
+    # the same process may have left a FLARE grant's): none here.
+    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RANKEXEC_GPU_GRANT"):
+        monkeypatch.delenv(var, raising=False)
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(SCRIPT))
     marks = tmp_path / "marks"

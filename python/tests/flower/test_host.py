@@ -518,6 +518,8 @@ def test_the_node_host_numbers_gpus_as_torchrun(tmp_path, monkeypatch) -> None:
     marks.mkdir()
     monkeypatch.setenv("GPU_MARKS", str(marks))
     monkeypatch.setenv("RANKEXEC_GPU_INVENTORY", "3x16GiB")
+    for var in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RANKEXEC_GPU_GRANT"):
+        monkeypatch.delenv(var, raising=False)  # another test's grant would restrict it
     gpu_app = _install_app(tmp_path, monkeypatch, "gpuapp", GPU_APP)
     node = 7301
     try:
