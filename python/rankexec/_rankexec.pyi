@@ -31,6 +31,7 @@ __all__ = [
     "_gpu_ledger",
     "_parse_gpu_inventory",
     "_reserve_gpus",
+    "rank_identity",
     "share",
     "start",
     "trim_heap",
