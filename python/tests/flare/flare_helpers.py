@@ -276,6 +276,30 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def run_capped(cmd: list[str], cwd: Path, env: dict[str, str], out: Path, cap: float) -> str:
+    """Runs `cmd` as its user would (its own session, output to `out`), failing the test
+    when it runs past `cap` seconds (then killing it and every process below it, the
+    simulator included) or exits non-zero; returns its output."""
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        try:
+            rc = proc.wait(timeout=cap)
+        except subprocess.TimeoutExpired:
+            for pid in descendants(proc.pid):  # the simulator runs in a session of its own
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            proc.kill()
+            proc.wait(timeout=30)
+            pytest.fail(f"{cmd} did not finish within {cap} s:\n{out.read_text()[-4000:]}")
+    text = out.read_text(errors="replace")
+    assert rc == 0, f"{cmd} exited {rc}:\n{text[-4000:]}"
+    return text
+
+
 def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 

@@ -27,13 +27,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, descendants, rank_pids, site_log
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, run_capped, site_log
 
 for _module in ("transformers", "trl", "peft", "datasets", "accelerate", "tokenizers"):
     pytest.importorskip(_module)
@@ -45,27 +44,6 @@ ROUNDS = 2
 # of 80 samples each, as the patch counts them (steps x batch x accumulation x world size).
 STEPS_PER_ROUND = 2
 SAMPLES_PER_ROUND = 160
-
-
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], out: Path, cap: float) -> str:
-    with open(out, "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        try:
-            rc = proc.wait(timeout=cap)
-        except subprocess.TimeoutExpired:
-            for pid in descendants(proc.pid):  # the simulator runs in a session of its own
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-            proc.kill()
-            proc.wait(timeout=30)
-            pytest.fail(f"{cmd} did not finish within {cap} s:\n{out.read_text()[-4000:]}")
-    text = out.read_text(errors="replace")
-    assert rc == 0, f"{cmd} exited {rc}:\n{text[-4000:]}"
-    return text
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -90,7 +68,7 @@ def prepared(tmp_path_factory) -> tuple[Path, Path]:
     model, data = tmp / "model", tmp / "data"
     cmd = [sys.executable, str(EXAMPLE / "prepare_model.py"), "--model_dir", str(model)]
     cmd += ["--data_path", str(data), "--client_ids", *SITES]
-    _run(cmd, tmp, _env(tmp), tmp / "prepare.out", 120)
+    run_capped(cmd, tmp, _env(tmp), tmp / "prepare.out", 120)
     return model, data
 
 
@@ -111,7 +89,7 @@ def test_flare_s_llm_hf_example_trains_with_ddp_on_rank_groups(prepared, tmp_pat
     cmd += ["--train_mode", mode, "--model_name_or_path", str(model_dir)]
     cmd += ["--data_path", str(data), "--workspace_dir", str(root)]
     cmd += ["--gpu", "[0,1],[2,3]", "--ports", "7777", "8888"]
-    output = _run(cmd, app, env, tmp_path / "job.out", 2 * SIM_CAP_S)
+    output = run_capped(cmd, app, env, tmp_path / "job.out", 2 * SIM_CAP_S)
 
     ws = root / f"llm_hf_{mode.lower()}"
     assert_no_errors(ws)

@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, descendants, rank_pids, site_log
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, run_capped, site_log
 
 pytest.importorskip("pytorch_lightning")
 pytest.importorskip("torchvision")
@@ -29,27 +28,6 @@ pytest.importorskip("torchmetrics")
 
 EXAMPLE = REPO / "examples" / "flare" / "lightning-ddp"
 SITES = ("site-1", "site-2")
-
-
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], out: Path, cap: float) -> str:
-    with open(out, "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        try:
-            rc = proc.wait(timeout=cap)
-        except subprocess.TimeoutExpired:
-            for pid in descendants(proc.pid):  # the simulator runs in a session of its own
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-            proc.kill()
-            proc.wait(timeout=30)
-            pytest.fail(f"{cmd} did not finish within {cap} s:\n{out.read_text()[-4000:]}")
-    text = out.read_text(errors="replace")
-    assert rc == 0, f"{cmd} exited {rc}:\n{text[-4000:]}"
-    return text
 
 
 def test_flare_s_lightning_multi_gpu_example_completes_its_rounds_as_rank_groups(tmp_path):
@@ -60,8 +38,10 @@ def test_flare_s_lightning_multi_gpu_example_completes_its_rounds_as_rank_groups
     env["CIFAR10_ROOT"] = str(tmp_path / "data")
     env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "ws")
     python = sys.executable
-    _run([python, "prepare_data.py", "--root", env["CIFAR10_ROOT"]], app, env, tmp_path / "p", 60)
-    output = _run(
+    run_capped(
+        [python, "prepare_data.py", "--root", env["CIFAR10_ROOT"]], app, env, tmp_path / "p", 60
+    )
+    output = run_capped(
         [python, "job.py", "--n_clients", "2", "--num_rounds", "2"],
         app,
         env,

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, site_log
-from .test_lightning_ddp import _run
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, run_capped, site_log
 
 pytest.importorskip("torchvision")
 
@@ -38,8 +37,8 @@ def test_flare_s_pt_ddp_example_completes_its_rounds_as_rank_groups(tmp_path):
     env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "ws")
     python = sys.executable
     data = [python, str(PREPARE), "--root", env["CIFAR10_ROOT"], "--train", "400", "--test", "80"]
-    _run(data, app, env, tmp_path / "p", 60)
-    output = _run(
+    run_capped(data, app, env, tmp_path / "p", 60)
+    output = run_capped(
         [python, "job.py", "--num_rounds", "2"], app, env, tmp_path / "job.out", 2 * SIM_CAP_S
     )
     ws = tmp_path / "ws" / "pt_ddp"
