@@ -28,7 +28,10 @@
 #                   ranks on one GPU: its error is shown, not counted as a failure) and
 #                   gloo over CUDA tensors
 #   h2d             a 4 GiB model from a rankexec memory file to the GPU: pageable,
-#                   pinned staging, the mapping registered in place (GB/s)
+#                   pinned staging, the mapping registered in place (GB/s), and the
+#                   same as a state dict of 64 MiB views through
+#                   rankexec.tensors.to_device, pin=False against pin=True
+#                   (h2d_api_pageable_gbs, h2d_api_pinned_gbs)
 #   fsdp-nccl       examples/flare/fsdp under nvflare simulator, FSDP2 on NCCL, one rank
 #                   per GPU
 #   lightning-gpu   examples/flare/lightning-ddp (accelerator="gpu", devices=2) under the

@@ -196,11 +196,18 @@ class HostToDevice:
         touch = time.perf_counter()
         out["checksum"] = int(src[:: 1 << 20].sum().item())  # maps one page per MiB
         out["first_touch_s"] = round(time.perf_counter() - touch, 3)
+        from rankexec.tensors import PinError, to_device
+
+        # A state dict as a rank holds one: tensors of 64 MiB, views of the memory file.
+        chunk = 64 << 20
+        views = {f"t{i}": src[i : i + chunk] for i in range(0, size, chunk)}
         if not cuda:  # the plumbing only: a host copy of the mapping
             t = time.perf_counter()
             dst = src.clone()
             out["host_copy_gbs"] = round(size / (time.perf_counter() - t) / 1e9, 2)
             del dst
+            same = to_device(views, "cpu")
+            out["api_cpu_same"] = all(same[k] is v for k, v in views.items())
         else:
             dev = torch.device("cuda", torch.cuda.current_device())
             gpu = torch.empty(size, dtype=torch.uint8, device=dev)
@@ -243,6 +250,21 @@ class HostToDevice:
                 cudart.cudaHostUnregister(src.data_ptr())
             out["device_checksum"] = int(gpu[:: 1 << 20].sum().item())
             del gpu
+            # rankexec.tensors.to_device: the same state dict, pageable vs registered.
+            out["api_pageable_gbs"] = round(
+                best(lambda: to_device(views, dev, pin=False)), 2
+            )
+            try:
+                out["api_pinned_gbs"] = round(
+                    best(lambda: to_device(views, dev, pin=True)), 2
+                )
+            except PinError as e:
+                out["api_pin_error"] = str(e)
+            back = to_device(views, dev)
+            out["api_checksum"] = sum(
+                int(v[:: 1 << 20].sum().item()) for v in back.values()
+            )
+            del back
         Path(m["dir"], f"rank-{ctx.rank}.json").write_text(json.dumps(out))
         return rankexec.Shareable(meta={"ok": True})
 
@@ -420,7 +442,12 @@ def cmd_h2d(args: argparse.Namespace, work: Path) -> bool:
     r = read_ranks(work, 1)[0]
     print(json.dumps(r))
     want = size >> 20 if size % (1 << 20) == 0 else -(-size // (1 << 20))
-    good = r["checksum"] == want and r.get("device_checksum", want) == want
+    good = (
+        r["checksum"] == want
+        and r.get("device_checksum", want) == want
+        and r.get("api_checksum", want) == want
+        and r.get("api_cpu_same", True)
+    )
     figure("h2d_bytes", size)
     figure("h2d_task_s", round(took, 2))
     for k, v in r.items():

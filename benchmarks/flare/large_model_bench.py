@@ -31,7 +31,13 @@ parts there; the same above the client side's value when rank 0 first asked for 
 (``client_baseline_gib``), and in model sizes; ``server_peak_gib``; time per round (the
 server's ``Round N started`` lines; round 0 includes the clients' start); rank 0's
 receive to send (``received`` to ``sent`` probes printed by the script: its own update
-plus ``flare.send()``); the whole job. A watchdog kills the run (its own processes, by
+plus ``flare.send()``); the whole job. Per site (``sites``: a client job process and
+everything below it, with the memory files they hold), its own peak and the parts at
+it, above the baseline sample and above the site's idle value (``idle_gib``: its least
+from both ranks being up, torch imported, to rank 0's first ``received``; FLARE is
+often downloading the first model at the baseline sample already). ``--script inplace``
+replaces the example's ``client.py`` in the job by ``inplace_client.py`` (issue 41's
+plain in-place script) for both executors. A watchdog kills the run (its own processes, by
 pid) when ``MemAvailable`` drops under ``--min-avail`` and records ``"oom_guard": true``
 with what it peaked at.
 
@@ -66,6 +72,10 @@ GIB = 1 << 30
 KINDS = ("server", "client_job", "torchrun", "rank0", "rank_other", "other")
 CLIENT_KINDS = ("client_job", "torchrun", "rank0", "rank_other")
 TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+#: A rank's PSS once it has imported torch (about 0.3 GiB): the site is up.
+RANK_UP = 200 << 20
+#: ``--script``: the file that replaces the example's ``client.py`` in the job.
+SCRIPTS = {"inplace": Path(__file__).resolve().parent / "inplace_client.py"}
 PROBE = re.compile(r"BENCH (\w+) (\d+) ([\d.]+)")
 
 
@@ -96,8 +106,8 @@ def _parents() -> dict[int, int]:
     return parents
 
 
-def descendants(root: int) -> list[int]:
-    parents = _parents()
+def descendants(root: int, parents: dict[int, int] | None = None) -> list[int]:
+    parents = _parents() if parents is None else parents
     out, frontier = [], [root]
     while frontier:
         p = frontier.pop()
@@ -184,10 +194,15 @@ class Sampler(threading.Thread):
         while not self.stopped.is_set():
             t = time.time()
             mem = meminfo()
-            pids = [self.root, *descendants(self.root)]
+            parents = _parents()
+            pids = [self.root, *descendants(self.root, parents)]
             per: dict[str, list[int]] = {k: [] for k in KINDS}
             own: dict[str, int] = dict.fromkeys(KINDS, 0)
             files: dict[tuple[int, int], tuple[int, bool]] = {}
+            # Per site (the client job process and everything below it): its processes'
+            # own memory by kind, and the memory files they hold (each once per site).
+            site_own: dict[int, dict[str, int]] = {}
+            site_files: dict[int, dict[tuple[int, int], int]] = {}
             for pid in pids:
                 r = _rollup(pid)
                 if r is None:
@@ -198,15 +213,29 @@ class Sampler(threading.Thread):
                     self.kinds[pid] = kind
                 per[kind].append(r.get("Pss", 0))
                 # Shared memory is counted below, once per file, whole.
-                own[kind] += r.get("Pss", 0) - r.get("Pss_Shmem", 0)
-                for key, size in memory_files(pid).items():
+                mine = r.get("Pss", 0) - r.get("Pss_Shmem", 0)
+                own[kind] += mine
+                site = self._site_of(pid, parents)
+                held = memory_files(pid)
+                for key, size in held.items():
                     client = kind in CLIENT_KINDS or files.get(key, (0, False))[1]
                     files[key] = (size, client)
+                if site is not None and kind in CLIENT_KINDS:
+                    parts = site_own.setdefault(site, dict.fromkeys(CLIENT_KINDS, 0))
+                    parts[kind] += mine
+                    site_files.setdefault(site, {}).update(held)
             self.samples.append(
                 {
                     "t": t,
                     "per": per,
                     "own": own,
+                    "sites": {
+                        site: {
+                            **parts,
+                            "memory_files": sum(site_files.get(site, {}).values()),
+                        }
+                        for site, parts in site_own.items()
+                    },
                     "files_client": sum(n for n, c in files.values() if c),
                     "files_server": sum(n for n, c in files.values() if not c),
                     "shmem": mem.get("Shmem", 0) - self.shmem0,
@@ -214,6 +243,16 @@ class Sampler(threading.Thread):
                 }
             )
             self.stopped.wait(self.interval)
+
+    def _site_of(self, pid: int, parents: dict[int, int]) -> int | None:
+        """The client job process `pid` is, or is below: its site."""
+        seen = 0
+        while pid and pid != self.root and seen < 64:
+            if self.kinds.get(pid) == "client_job":
+                return pid
+            pid = parents.get(pid, 0)
+            seen += 1
+        return None
 
 
 class Guard(threading.Thread):
@@ -266,6 +305,9 @@ def export_job(args: argparse.Namespace, impl: str, out: Path) -> Path:
         str(out),
     ]
     subprocess.run(argv, cwd=EXAMPLE, check=True, capture_output=True, timeout=300)
+    if args.script != "example":
+        # The same job, the script replaced (both executors run the same file).
+        shutil.copyfile(SCRIPTS[args.script], out / "large-model" / "app" / "custom" / "client.py")
     return out / "large-model"
 
 
@@ -315,7 +357,12 @@ def _rank0_rounds(ws: Path, impl: str) -> list[float]:
     return out
 
 
-def summarize(samples: list[dict], first_ask: float | None, model_bytes: int) -> dict:
+def summarize(
+    samples: list[dict],
+    first_ask: float | None,
+    model_bytes: int,
+    first_received: float | None = None,
+) -> dict:
     def g(b: int) -> float:
         return round(b / GIB, 3)
 
@@ -345,6 +392,13 @@ def summarize(samples: list[dict], first_ask: float | None, model_bytes: int) ->
         if base is not None:
             out["client_above_baseline_gib"] = g(client(peak) - base)
             out["client_above_baseline_models"] = round((client(peak) - base) / model_bytes, 2)
+        out["sites"] = _per_site(
+            samples, before[-1] if before else None, model_bytes, first_received
+        )
+        for key in ("above_baseline_models", "above_idle_models"):
+            got = [x[key] for x in out["sites"] if key in x]
+            if got:
+                out[f"site_{key}_max"] = max(got)
         out["server_peak_gib"] = g(max(server(s) for s in samples))
         out["memory_files_client_peak_gib"] = g(max(s["files_client"] for s in samples))
         out["machine_shmem_growth_peak_gib"] = g(max(s["shmem"] for s in samples))
@@ -353,6 +407,44 @@ def summarize(samples: list[dict], first_ask: float | None, model_bytes: int) ->
         )
         out["mem_available_min_gib"] = g(min(s["avail"] for s in samples))
     out["samples"] = len(samples)
+    return out
+
+
+def _per_site(
+    samples: list[dict], base: dict | None, model_bytes: int, first_received: float | None
+) -> list[dict]:
+    """Each site's own peak (its job process, ranks and memory files at the sample where
+    their sum peaked), above its value at the baseline sample, in GiB and models; and
+    above its idle value (``idle_gib``: its least from the moment both its ranks are up,
+    torch imported, to rank 0's first ``received``: the site before FLARE's download of
+    the first model grows its job process, which the baseline sample may be in)."""
+    out = []
+    t0 = samples[0]["t"]
+    for site in sorted({k for s in samples for k in s.get("sites", {})}):
+
+        def val(s: dict, site: int = site) -> int:
+            return sum((s.get("sites", {}).get(site) or {}).values())
+
+        peak = max(samples, key=val)
+        row = {
+            "peak_gib": round(val(peak) / GIB, 3),
+            "peak_at_s": round(peak["t"] - t0, 1),
+            "parts_gib": {k: round(v / GIB, 3) for k, v in peak["sites"][site].items()},
+        }
+        if base is not None and site in base.get("sites", {}):
+            row["baseline_gib"] = round(val(base) / GIB, 3)
+            row["above_baseline_models"] = round((val(peak) - val(base)) / model_bytes, 2)
+        up = [
+            val(s)
+            for s in samples
+            if (first_received is None or s["t"] <= first_received)
+            and min((s.get("sites", {}).get(site) or {}).get(k, 0) for k in ("rank0", "rank_other"))
+            >= RANK_UP
+        ]
+        if up:
+            row["idle_gib"] = round(min(up) / GIB, 3)
+            row["above_idle_models"] = round((val(peak) - min(up)) / model_bytes, 2)
+        out.append(row)
     return out
 
 
@@ -409,9 +501,12 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
             kill_tree(proc.pid)
             proc.wait()
     wall = time.monotonic() - t0
+    # Every sample, per site, for a closer look (kept with --keep).
+    (root / f"samples-{impl}.json").write_text(json.dumps(sampler.samples))
     server_log = (ws / "server" / "log.txt").read_text(errors="replace") if ws.exists() else ""
     text = _rank_text(ws, impl) if ws.exists() else ""
     asks = [float(t) for w, r, t in PROBE.findall(text) if w == "ask" and r == "0"]
+    received = [float(t) for w, r, t in PROBE.findall(text) if w == "received" and r == "0"]
     rounds = _rounds(server_log)
     recv = _rank0_rounds(ws, impl) if ws.exists() else []
     dtypes = sorted(set(re.findall(r"dtypes ([\w,]+)", text)))
@@ -431,6 +526,7 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         "ranks": args.ranks,
         "rounds": args.rounds,
         "share": args.share,
+        "script": args.script,
         "rc": rc,
         "oom_guard": guard.tripped,
         "wall_s": round(wall, 2),
@@ -440,7 +536,12 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
         else None,
         "rank0_recv_to_sent_s": [round(r, 2) for r in recv],
         "dtypes_at_rank0": dtypes,
-        **summarize(sampler.samples, min(asks) if asks else None, model_bytes),
+        **summarize(
+            sampler.samples,
+            min(asks) if asks else None,
+            model_bytes,
+            min(received) if received else None,
+        ),
         "loadavg_before": [round(x, 2) for x in load0],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "commit": _git("rev-parse", "--short", "HEAD"),
@@ -511,6 +612,22 @@ def table(results: list[dict]) -> str:
             for k in ("client_job", "torchrun", "rank0", "rank_other", "memory_files")
         ),
     )
+    row(
+        "each site's own peak above its idle / above the baseline, models",
+        lambda r: "; ".join(
+            f"{x['above_idle_models']:.2f} / {x['above_baseline_models']:.2f}" for x in r["sites"]
+        ),
+    )
+    row(
+        "  at each site's peak: job process / torchrun / rank 0 / other ranks / memory files",
+        lambda r: "; ".join(
+            " / ".join(
+                f"{x['parts_gib'][k]:.2f}"
+                for k in ("client_job", "torchrun", "rank0", "rank_other", "memory_files")
+            )
+            for x in r["sites"]
+        ),
+    )
     for kind in ("client_job", "rank0", "rank_other", "torchrun"):
         row(
             f"biggest {kind} process, peak PSS GiB",
@@ -546,6 +663,12 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--share", choices=("wait", "broadcast", "all"), default="wait")
+    p.add_argument(
+        "--script",
+        choices=("example", *SCRIPTS),
+        default="example",
+        help="inplace: the issue's user script (inplace_client.py) instead of client.py",
+    )
     p.add_argument("--impl", default="flare,rankexec", help="which sides, in order")
     p.add_argument("--interval", type=float, default=0.5, help="sampling period, s")
     p.add_argument("--min-avail", type=float, default=2.0, help="GiB; below it the run is killed")

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+PYPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 GIB = 1 << 30
 PAGE = 4096
 
@@ -104,7 +105,9 @@ def group(n: int):
             "num_of_processes": n,
             "components": [{"id": "b", "path": "large_payload_bench:Touch", "args": {}}],
             "worker": {"program": "python", "args": ["-m", "rankexec.worker"]},
-            "env": {"set": {"PYTHONPATH": str(HERE)}},
+            # The host's own PYTHONPATH after this folder: the ranks import the same
+            # rankexec as the host (a before/after run points it at another build).
+            "env": {"set": {"PYTHONPATH": os.pathsep.join([str(HERE), *PYPATH])}},
             "gpu": {"mode": "none"},
             "deadlines": {"task": "600s"},
         }

@@ -143,6 +143,44 @@ impl Blob {
             .collect())
     }
 
+    /// Copies `parts` into one new sealed memory file, each at a page-aligned offset,
+    /// with `pwrite` (the kernel's shmem write path: no page fault and no zeroing per
+    /// page, about twice as fast as filling a fresh mapping), and returns one blob per
+    /// part, in order. For bytes that already exist in ordinary memory; a producer that
+    /// can write its bytes in place uses [`Blob::shared_many`] instead. The file is
+    /// admitted against the host's available memory first.
+    ///
+    /// ```
+    /// use rankexec_protocol::Blob;
+    /// let blobs = Blob::copied_many(&[b"abc", b"de"]).unwrap();
+    /// assert_eq!(&blobs[1][..], b"de");
+    /// assert_eq!(blobs[1].memfd_offset(), 4096);
+    /// ```
+    pub fn copied_many(parts: &[&[u8]]) -> std::io::Result<Vec<Blob>> {
+        let mut placed = Vec::with_capacity(parts.len());
+        let mut total = 0u64;
+        for part in parts {
+            let at = crate::os::page_align(total);
+            placed.push((at, *part));
+            total = at + part.len() as u64;
+        }
+        if usize::try_from(total).is_err() {
+            return Err(std::io::Error::other("blobs larger than the address space"));
+        }
+        let fd = crate::os::sealed_memfd_at("rankexec-blobs", total, &placed)?;
+        let (bytes, fd) = crate::os::map_sealed(fd, total).map_err(|e| match e {
+            crate::os::ShmError::Io(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        })?;
+        Ok(placed
+            .iter()
+            .map(|(at, part)| {
+                let start = *at as usize;
+                Blob::from_sealed_memfd_at(bytes.slice(start..start + part.len()), fd.clone(), *at)
+            })
+            .collect())
+    }
+
     /// A blob of `len` bytes at `offset` (a multiple of the page size) of a memory file
     /// received from another process (over a socket of the caller's own): checked to be
     /// sealed against writes, shrinking and growing and long enough, then mapped

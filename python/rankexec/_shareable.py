@@ -33,7 +33,14 @@ def byte_view(obj: Any, name: str) -> memoryview:
     """A one-dimensional byte view of `obj` (numpy array, torch tensor, buffer)."""
     mod = type(obj).__module__
     if mod.startswith("torch"):
-        obj = obj.detach().cpu().contiguous().numpy()
+        import torch
+
+        # As bytes, whatever the dtype: numpy has no bfloat16 or float8, and a raw blob
+        # is bytes anyway (its dtype travels in the metadata, if at all).
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        if t.dtype.is_complex:
+            t = t.view(t.real.dtype)  # view() to uint8 refuses complex; its parts first
+        obj = t.view(torch.uint8).numpy()
     try:
         view = memoryview(obj)
     except TypeError as e:

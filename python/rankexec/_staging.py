@@ -5,7 +5,8 @@ source as soon as it is copied: the process never holds the model twice.
 lets go of them (``consume=True``): for the time of the copy the input exists twice.
 ``stage_releasing`` does the copy before ``execute`` instead: it allocates one memory
 file (``SharedBuffer``: its pages are allocated as they are written), copies each large
-buffer to its page-aligned offset, replaces the buffer in the caller's dict at once
+buffer to its page-aligned offset with ``SharedBuffer.write_at`` (``pwrite``: no page
+fault per 4 KiB page, about half the time of a copy through a fresh mapping here), replaces the buffer in the caller's dict at once
 (the dict held the only reference to a decoded tensor: it is freed there and then),
 trims the C heap as it goes (``trim_heap``: freed tensors under glibc's mmap threshold
 stay resident otherwise), seals the file and leaves a ``Blob`` slice of it in the dict
@@ -72,22 +73,19 @@ def stage_releasing(
     offsets, total = page_offsets(sizes)
     buf = SharedBuffer(total)
     released = 0
-    with memoryview(buf) as whole:
-        dst = whole.cast("B")
-        for name, size in sizes.items():
-            at = offsets[name]
-            source = blobs[name]
-            with memoryview(source) as src:
-                dst[at : at + size] = src.cast("B")
-            blobs[name] = None  # the only reference to the source, usually: freed now
-            if release is not None:
-                release(name, source)
-            del source
-            released += size
-            if released >= _TRIM_EVERY:
-                trim_heap()
-                released = 0
-        dst.release()
+    for name, size in sizes.items():
+        source = blobs[name]
+        # pwrite, not a copy through the mapping: no page fault per 4 KiB page
+        # (SharedBuffer.write_at).
+        buf.write_at(offsets[name], source)
+        blobs[name] = None  # the only reference to the source, usually: freed now
+        if release is not None:
+            release(name, source)
+        del source
+        released += size
+        if released >= _TRIM_EVERY:
+            trim_heap()
+            released = 0
     trim_heap()
     sealed = buf.seal()
     for name, size in sizes.items():

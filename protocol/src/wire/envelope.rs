@@ -171,15 +171,13 @@ pub fn pack(
                 source: std::io::Error::other("blobs larger than the address space"),
             })?;
             let label = memfd_name(&format!("{first}+{}", arena.len() - 1));
-            let fd = os::sealed_memfd_with(&label, len, |buf| {
-                for (bytes, offset) in &arena {
-                    let at = *offset as usize;
-                    buf[at..at + bytes.len()].copy_from_slice(bytes);
+            // Written with `pwrite`, not through a mapping: see `os::sealed_memfd_at`.
+            let placed: Vec<(u64, &[u8])> = arena.iter().map(|(b, at)| (*at, *b)).collect();
+            let fd = os::sealed_memfd_at(&label, len as u64, &placed).map_err(|source| {
+                PackError::Shm {
+                    name: first.to_owned(),
+                    source,
                 }
-            })
-            .map_err(|source| PackError::Shm {
-                name: first.to_owned(),
-                source,
             })?;
             Some(Arc::new(fd))
         }

@@ -28,6 +28,15 @@ says what it did ("rank 1's script returned while the run goes on (its last task
 `train`)"): the host reports it as the group's failure within seconds and applies its
 failure policy.
 
+A rank whose script returned after the group's close (the run's normal end) ends at
+once after the script's own ``atexit`` handlers, with every file the script left open
+flushed, rather than going through the interpreter's teardown: torch's native threads
+(gloo, DDP) hold that teardown for seconds, which every site paid at the end of every
+job (measured: 4.4 s from the script's return to the rank's exit, in a 1 GiB FedAvg job;
+the Flower ranks do the same, ``rankexec.flower._rank``). Module globals' ``__del__``
+methods do not run then, as under ``os._exit``; a script that fails, or exits with a
+code other than 0, goes through the normal teardown.
+
 Caveat: the hook wraps the loader of the ``nvflare.client`` package for the duration of
 its import only (the module's ``__loader__`` and ``__spec__.loader`` are the original
 afterwards).
@@ -35,7 +44,10 @@ afterwards).
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib.abc
+import io
 import json
 import os
 import queue
@@ -129,12 +141,17 @@ class TaskFeed:
             self.ctx = task.ctx
             self.last_task = task.name
             if self.ack_only:
+                # Its part needs none of the input: the task's memory files go now, not
+                # when the next task arrives (a rank that holds them keeps the whole
+                # model in shared memory through the round).
+                task.blobs.clear()
                 task.reply(meta={"rank_ack": True})
                 with self._arrived:
                     self._seen += 1
                     self._arrived.notify_all()
             else:
                 self.tasks.put(task)
+            del task  # held by the queue or answered: not by this thread while it waits
 
     def _finish(self) -> None:
         with self._arrived:
@@ -261,6 +278,38 @@ def _end_now(code: int, message: str) -> None:
     os._exit(code)
 
 
+def _flush_open_files() -> None:
+    """Flushes every open file object of the process (what the interpreter's teardown
+    would have done for the files the script left open)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):
+                pass  # a pipe whose reader is gone, a file closed meanwhile
+
+
+class _QuickEnd:
+    """The ``atexit`` handler that ends the rank at once after a normal end (see the
+    module docs); registered before the script runs, so it runs after the script's own
+    handlers."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def __call__(self) -> None:
+        if self.code is None:
+            return
+        _flush_open_files()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os._exit(self.code)
+
+
 def _parse(argv: list[str]) -> tuple[str, dict[str, Any], str, list[str]]:
     """``--cwd DIR --config JSON SCRIPT [ARGS...]``."""
     cwd, config = "", {}
@@ -303,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         install_api(config, feed)
 
     after_import(CLIENT_PACKAGE, install)
+    quick = _QuickEnd()
+    atexit.register(quick)
     path = os.path.abspath(script)
     sys.argv = [script, *script_args]
     sys.path[0] = os.path.dirname(path)
@@ -331,4 +382,6 @@ def main(argv: list[str] | None = None) -> int:
         code = code or 1
     if code == 0:
         feed.after_script(group_rank)
+        if feed.ended or feed.wait_for_close(0):
+            quick.code = 0  # the run is over: no interpreter teardown (module docs)
     return code

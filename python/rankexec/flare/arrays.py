@@ -43,6 +43,7 @@ __all__ = [
     "from_blobs",
     "pack_data",
     "pack_flat",
+    "parts_of",
     "plain",
     "to_blobs",
     "unpack_data",
@@ -56,6 +57,37 @@ KIND_KEY = "dxo_kind"
 META_KEY = "dxo_meta"
 
 _INT64 = (-(1 << 63), 1 << 63)
+
+#: A Client API model travels in at most this many memory files (``parts_of``), far
+#: under the 64 descriptors a frame may pass.
+MAX_PARTS = 16
+#: ... each of at least this many bytes (the last may be smaller).
+PART_MIN = 64 << 20
+
+
+def parts_of(
+    sizes: Mapping[str, int], max_parts: int = MAX_PARTS, least: int = PART_MIN
+) -> list[list[str]]:
+    """``sizes``' names (in order) in consecutive groups of at least ``max(least,
+    total / max_parts)`` bytes each (the last may be smaller): at most ``max_parts``
+    groups, each of which gets a memory file of its own. A model in several files can
+    be let go of one part at a time (a sealed file's pages go only with the whole
+    file), and a tensor the script keeps after ``send()`` keeps its part alive, not
+    the whole model."""
+    total = sum(sizes.values())
+    each = max(least, -(-total // max(1, max_parts)))
+    groups: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, size in sizes.items():
+        current.append(name)
+        filled += size
+        if filled >= each:
+            groups.append(current)
+            current, filled = [], 0
+    if current:
+        groups.append(current)
+    return groups
 
 
 class Unsendable(TypeError):

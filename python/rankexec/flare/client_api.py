@@ -53,6 +53,7 @@ import mmap
 import os
 import queue
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -67,8 +68,9 @@ from nvflare.fuel.data_event.data_bus import DataBus
 
 from rankexec import TaskAborted
 from rankexec._rankexec import SharedBuffer
+from rankexec._staging import page_offsets
 from rankexec.flare._script_rank import ScriptEnded, TaskFeed, TaskLeftUnanswered
-from rankexec.flare.arrays import Unsendable, pack_flat, plain, unpack_flat
+from rankexec.flare.arrays import Unsendable, pack_flat, parts_of, plain, unpack_flat
 
 __all__ = [
     "LOG_EVENT",
@@ -124,8 +126,10 @@ class RankClientAPI(InProcessClientAPI):
         self.receive_called = False
         self._params_conversion_state: dict[str, Any] = {}
         self._fresh = False  # a model fetched by is_running(), not yet taken by receive()
-        # Rank 0's received params in a memory file of its own: (buffer, address, size).
-        self._arena: tuple[Any, int, int] | None = None
+        # Rank 0's received params in memory files of its own, one per part of the
+        # model: (buffer, address, size) each.
+        self._arenas: list[tuple[Any, int, int]] = []
+        self._take_s = 0.0  # the latest input's copy into them, in seconds
 
     # The state shared with the feed's receiver thread.
     @property
@@ -255,7 +259,9 @@ class RankClientAPI(InProcessClientAPI):
                 # and drops the rest lets the file go before the task ends.
                 task.blobs.clear()
             else:
+                t0 = time.perf_counter()
                 params = self._own_params(task, fl.get("param_specs"), fl.get("param_values"))
+                self._take_s = time.perf_counter() - t0
             params = convert_params(
                 params,
                 self._exchange.get(ConfigKey.SERVER_EXPECTED_FORMAT, ExchangeFormat.NUMPY),
@@ -274,57 +280,67 @@ class RankClientAPI(InProcessClientAPI):
         )
 
     def _own_params(self, task: Any, specs: Any, values: Any) -> dict[str, Any]:
-        """Rank 0's params as its own copy, in a memory file of its own (``_arena``),
-        and the input's memory file let go at once. A script that updates these
-        tensors in place and sends them back sends that file as it is: ``_reply``
-        seals it (the script's views stay valid; later writes stay private) instead of
-        copying the model again."""
-        self._arena = None
+        """Rank 0's params as its own copy, in memory files of its own (``_arenas``: one
+        per part of the model, ``arrays.parts_of``), each part of the input let go as
+        soon as it is copied. A script that updates these tensors in place and sends
+        them back sends those files as they are: ``_reply`` seals them (the script's
+        views stay valid; later writes stay private) instead of copying the model
+        again. In parts, so that the site never holds the input and rank 0's copy in
+        full at once (the host staged the input in parts too), and a tensor the script
+        keeps after ``send()`` (a loop variable) keeps its part's file alive, not the
+        whole model's."""
+        self._arenas = []
         blobs = task.blobs
         arrays = dict(specs or {})
         missing = [n for n in arrays if n not in blobs]
         if missing:
             raise Unsendable(missing[0], "it has a spec but no blob")
-        offsets: dict[str, int] = {}
-        total = 0
-        for name in arrays:
-            total = -(-total // _PAGE) * _PAGE
-            offsets[name] = total
-            total += len(blobs[name])
-        if total < _OWN_FILE_FROM:
+        sizes = {name: len(blobs[name]) for name in arrays}
+        if sum(sizes.values()) < _OWN_FILE_FROM:
             small = unpack_flat(blobs, specs, values, writable=True, copy=True)
             blobs.clear()
             return small
-        buf = SharedBuffer(total)
-        whole = np.frombuffer(memoryview(buf), dtype=np.uint8)
         out: dict[str, Any] = {}
-        for name, spec in arrays.items():
-            at, size = offsets[name], len(blobs[name])
-            region = whole[at : at + size]
-            region[:] = np.frombuffer(blobs[name], dtype=np.uint8)
-            out[name] = unpack_flat({name: region}, {name: spec}, writable=True, own=True)[name]
+        for group in parts_of(sizes):
+            offsets, total = page_offsets({name: sizes[name] for name in group})
+            buf = SharedBuffer(total)
+            whole = np.frombuffer(memoryview(buf), dtype=np.uint8)
+            # pwrite where the extension has it (no page fault per 4 KiB page of the
+            # new file), else a copy through the mapping.
+            write_at = getattr(buf, "write_at", None)
+            for name in group:
+                at, size = offsets[name], sizes[name]
+                region = whole[at : at + size]
+                if write_at is not None:
+                    write_at(at, blobs[name])
+                else:
+                    region[:] = np.frombuffer(blobs[name], dtype=np.uint8)
+                out[name] = unpack_flat(
+                    {name: region}, {name: arrays[name]}, writable=True, own=True
+                )[name]
+                # This part of the input goes now (its file, once no rank maps it).
+                del blobs[name]
+            self._arenas.append((buf, buf.address, total))
         out.update(values or {})
-        blobs.clear()  # the input's memory file goes (the runtime holds large ones no more)
-        self._arena = (buf, buf.address, total)
+        blobs.clear()  # the rest of the input (the runtime holds large ones no more)
         return out
 
     def _sent_from_arena(self, blobs: dict[str, Any]) -> None:
-        """Replaces each blob that is a page-aligned region of rank 0's own params file
-        by a slice of that file, sealed: sent without a copy."""
-        arena, self._arena = self._arena, None
-        if arena is None:
-            return
-        buf, base, length = arena
-        sealed = None
+        """Replaces each blob that is a page-aligned region of one of rank 0's own
+        params files by a slice of that file, sealed: sent without a copy."""
+        arenas, self._arenas = self._arenas, []
+        sealed: dict[int, Any] = {}
         for name, raw in blobs.items():
             if not isinstance(raw, np.ndarray) or raw.nbytes < _OWN_FILE_FROM // 16:
                 continue
-            at = raw.ctypes.data - base
-            if at < 0 or at + raw.nbytes > length or at % _PAGE:
-                continue
-            if sealed is None:
-                sealed = buf.seal()
-            blobs[name] = sealed.slice(at, raw.nbytes)
+            for i, (buf, base, length) in enumerate(arenas):
+                at = raw.ctypes.data - base
+                if at < 0 or at + raw.nbytes > length or at % _PAGE:
+                    continue
+                if i not in sealed:
+                    sealed[i] = buf.seal()
+                blobs[name] = sealed[i].slice(at, raw.nbytes)
+                break
 
     def is_running(self) -> bool:
         if self._closed:
@@ -405,6 +421,8 @@ class RankClientAPI(InProcessClientAPI):
             "current_round": plain(wire.current_round, "FLModel.current_round"),
             "total_rounds": plain(wire.total_rounds, "FLModel.total_rounds"),
             "start_round": plain(wire.start_round, "FLModel.start_round"),
+            # How long rank 0 took to copy its input into its own files (the host logs it).
+            "rank0_take_s": round(self._take_s, 4),
         }
         with self._feed.lock:
             self._task = None

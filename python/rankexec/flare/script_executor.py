@@ -35,7 +35,11 @@ eight of them per task.
 Each task's ``FLModel`` travels to the ranks as blobs (numpy arrays and torch tensors,
 see ``rankexec.flare.arrays``) with its ``meta``, ``metrics`` and rounds in the task's
 meta; rank 0's ``flare.send()`` comes back the same way and is returned to FLARE as
-``FLModelUtils.to_shareable`` builds it. ``flare.log`` records (FLARE's tracking
+``FLModelUtils.to_shareable`` builds it. A large model travels in parts, at most 16
+memory files (``arrays.parts_of``), so that rank 0, which takes its own copy, lets go of
+the input one part at a time, and a tensor its script keeps after ``send()`` keeps only
+its part alive; each task's log line says how long staging, the ranks and rank 0's copy
+took. ``flare.log`` records (FLARE's tracking
 writers) become FLARE analytics events (``analytix_log_stats``), as
 ``ClientAPIExecutor`` fires them.
 
@@ -52,6 +56,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 import nvflare
@@ -67,8 +72,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
 
-from rankexec._staging import stage_releasing
-from rankexec.flare.arrays import pack_flat, plain, unpack_flat
+from rankexec._staging import STAGE_FROM, stage_releasing
+from rankexec.flare.arrays import pack_flat, parts_of, plain, unpack_flat
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
 from rankexec.flare.policy import script_path
@@ -90,6 +95,30 @@ def _format(value: Any, what: str) -> str:
     except ValueError:
         names = [f.value for f in ExchangeFormat]
         raise ValueError(f"{what} must be one of {names}, not {value!r}") from None
+
+
+def _stage_in_parts(blobs: dict[str, Any]) -> None:
+    """Moves the task's large buffers into sealed memory files, one per part of the
+    model (``arrays.parts_of``: at most 16), each buffer let go as soon as it is copied
+    (``stage_releasing``). In parts, so that rank 0, which copies the model into a file
+    of its own, lets go of each part of the input as soon as it has copied it: the
+    site holds the model about once, not twice, while rank 0 takes it."""
+    sizes: dict[str, int] = {}
+    for name, value in blobs.items():
+        try:
+            with memoryview(value) as view:
+                if view.nbytes >= STAGE_FROM and view.c_contiguous:
+                    sizes[name] = view.nbytes
+        except TypeError:
+            continue
+    order = list(blobs)
+    for group in parts_of(sizes):
+        part = {name: blobs.pop(name) for name in group}  # the only references now
+        stage_releasing(part)
+        blobs.update(part)
+    staged = {name: blobs[name] for name in order}
+    blobs.clear()
+    blobs.update(staged)
 
 
 class ScriptExecutor(MultiProcessExecutor):
@@ -335,6 +364,7 @@ class ScriptExecutor(MultiProcessExecutor):
             return self._failed("the rank group is not running")
         shareable.set_header(FLMetaKey.JOB_ID, fl_ctx.get_job_id())
         shareable.set_header(FLMetaKey.SITE_NAME, fl_ctx.get_identity_name())
+        t0 = time.perf_counter()
         try:
             model = FLModelUtils.from_shareable(shareable)
             blobs, specs, values = pack_flat(model.params, "the task's params")
@@ -358,16 +388,18 @@ class ScriptExecutor(MultiProcessExecutor):
         if isinstance(model.params, dict) and blobs:
             model.params.clear()
         del model
-        # Each tensor goes into the memory file and is let go at once, one at a time:
-        # the site never holds FLARE's decoded model and the memory file in full at once.
+        # Each tensor goes into a memory file and is let go at once, one at a time: the
+        # site never holds FLARE's decoded model and the memory files in full at once.
         try:
-            stage_releasing(blobs)
+            _stage_in_parts(blobs)
         except OSError as e:  # refused by the host's memory, naming both sizes
             self.log_error(fl_ctx, f"task {task_name}: its data cannot reach the ranks: {e}")
             return self._failed(f"the task's data cannot reach the ranks: {e}")
+        t1 = time.perf_counter()
         result = self._run(
             group, task_name, {MODEL_KEY: fl}, blobs, fl_ctx, abort_signal, consume=True
         )
+        t2 = time.perf_counter()
         if isinstance(result, Shareable):
             return result
         out = result.meta.get(MODEL_KEY)
@@ -383,6 +415,14 @@ class ScriptExecutor(MultiProcessExecutor):
         current_round = shareable.get_header(AppConstants.CURRENT_ROUND)
         if current_round is not None:
             reply.set_header(AppConstants.CURRENT_ROUND, current_round)
+        # Where the task's time went (the per-step figures of BENCHMARKS.md's large models).
+        self.log_info(
+            fl_ctx,
+            f"task {task_name}: staged in {(t1 - t0) * 1e3:.0f} ms, the ranks' task "
+            f"{(t2 - t1) * 1e3:.0f} ms (rank 0 took its input in "
+            f"{float(out.get('rank0_take_s') or 0) * 1e3:.0f} ms), the reply built in "
+            f"{(time.perf_counter() - t2) * 1e3:.0f} ms",
+        )
         return self._retried(reply, result.retries)
 
     @staticmethod

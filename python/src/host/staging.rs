@@ -20,7 +20,9 @@
 //! while idle, so only inputs up to [`PREPARE_MAX`] bytes are prepared: above that, a
 //! second idle copy of a model would cost more host memory than the page faults cost
 //! time (a large model's input goes to a fresh file, correct, only slower). A size not
-//! prepared falls back to a fresh file.
+//! prepared falls back to a fresh file, written with `pwrite` rather than through a
+//! mapping (no page fault per 4 KiB page; the parts land at the same page-aligned
+//! offsets).
 
 use std::io;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -95,11 +97,16 @@ impl Stager {
             .zip(&offsets)
             .map(|(&i, &at)| (at, srcs[i]))
             .collect();
-        let file = match ready {
-            Some(p) => p,
-            None => Prepared::new(total)?,
+        let blobs = match ready {
+            Some(file) => file.fill(&parts)?,
+            // No file ready: a fresh one, written with `pwrite` (the kernel's shmem write
+            // path, no fault or zeroing per page: about twice as fast as filling a
+            // fresh mapping, see `Blob::copied_many`).
+            None => {
+                let srcs: Vec<&[u8]> = parts.iter().map(|(_, s)| *s).collect();
+                Blob::copied_many(&srcs)?
+            }
         };
-        let blobs = file.fill(&parts)?;
         for (i, blob) in large.into_iter().zip(blobs) {
             out[i] = blob;
         }

@@ -14,6 +14,9 @@
 //!
 //! - [`StagedFile`]: a memory file with its pages allocated and mapped writable, kept
 //!   ready for the host's next input of that size (see `host::staging`).
+//! - [`FileWriter`]: `pwrite` into a [`WritableFile`] (`SharedBuffer.write_at`): the
+//!   kernel's shmem write path takes no page fault and zeroes no page, where a copy
+//!   through the fresh mapping faults once per 4 KiB page.
 //!
 //! Fork safety: a `fork()` (PyTorch DataLoader workers, `multiprocessing`, `os.fork`)
 //! would copy a writable shared mapping into the child, and the write seal then fails
@@ -83,6 +86,16 @@ impl WritableFile {
         }
     }
 
+    /// A writer holding its own descriptor of the file ([`FileWriter::write_at`]), so
+    /// that a write can run without any lock on `self` (one after the seal fails with
+    /// `EPERM`).
+    pub(crate) fn writer(&self) -> io::Result<FileWriter> {
+        Ok(FileWriter {
+            fd: self.fd.try_clone()?,
+            len: self.len,
+        })
+    }
+
     /// The file's inode (to prove two mappings share one file).
     pub(crate) fn inode(&self) -> io::Result<u64> {
         inode(self.fd.as_fd())
@@ -127,6 +140,44 @@ impl WritableFile {
         }
         let fd = Arc::new(self.fd.try_clone()?);
         Ok(Blob::from_sealed_memfd(map_read_only(&fd, self.len)?, fd))
+    }
+}
+
+/// A descriptor of a [`WritableFile`] for `pwrite`s (see [`WritableFile::writer`]).
+pub(crate) struct FileWriter {
+    fd: OwnedFd,
+    len: usize,
+}
+
+impl FileWriter {
+    /// Writes `bytes` at `offset` with `pwrite`, not through a mapping: the kernel's
+    /// shmem write path allocates each page without a page fault and without zeroing
+    /// it first (about twice as fast as a copy into a fresh mapping on this project's
+    /// VM), and every mapping of the file sees the same pages. Refused past the end.
+    pub(crate) fn write_at(&self, offset: usize, mut bytes: &[u8]) -> io::Result<()> {
+        if offset
+            .checked_add(bytes.len())
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(io::Error::other(format!(
+                "{} bytes at {offset} do not fit a buffer of {} bytes",
+                bytes.len(),
+                self.len
+            )));
+        }
+        let mut at = offset as u64;
+        while !bytes.is_empty() {
+            match rustix::io::pwrite(&self.fd, bytes, at) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(n) => {
+                    bytes = &bytes[n..];
+                    at += n as u64;
+                }
+                Err(Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
     }
 }
 

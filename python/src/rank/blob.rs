@@ -408,6 +408,49 @@ impl SharedBuffer {
             .0 as usize
     }
 
+    /// Copies `data` (any C-contiguous buffer) to `offset` with `pwrite`: the same bytes
+    /// as `memoryview(buf)[offset:offset + n] = data`, about twice as fast into pages
+    /// not yet touched (no page fault per 4 KiB page). Refused once sealed
+    /// (`BufferSealed`) and past the end (`ValueError`).
+    fn write_at(&self, py: Python<'_>, offset: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        use pyo3::buffer::PyBuffer;
+        let view = py
+            .import("rankexec._shareable")?
+            .call_method1("byte_view", (data, "data"))?;
+        let buf = PyBuffer::<u8>::get(&view)?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err("data is not C-contiguous"));
+        }
+        let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(PyValueError::new_err(format!(
+                "{len} bytes at {offset} do not fit a buffer of {} bytes",
+                self.len
+            )));
+        }
+        let writer = {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if st.sealed.is_some() {
+                return Err(BufferSealed::new_err(
+                    "this buffer was sent; it is read-only now",
+                ));
+            }
+            st.file.writer()?
+        };
+        py.detach(|| {
+            let src: &[u8] = if len == 0 {
+                &[]
+            } else {
+                // SAFETY: `buf` holds the exporter's buffer (PyObject_GetBuffer) until it
+                // is dropped after this closure, C-contiguous (checked above), so the
+                // `len` bytes at `ptr` stay valid and in place meanwhile.
+                unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+            };
+            writer.write_at(offset, src)
+        })
+        .map_err(PyErr::from)
+    }
+
     /// Seals the file and returns it as a read-only `Blob` (the same pages).
     fn seal(&self) -> PyResult<Blob> {
         Ok(Blob {
@@ -441,17 +484,7 @@ pub fn share(py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Blo
             PyBuffer::<u8>::get(&view)
         })
         .collect::<PyResult<_>>()?;
-    let lens: Vec<usize> = bufs.iter().map(|b| b.len_bytes()).collect();
-    let mut err = None;
-    let made = RBlob::shared_many(&lens, |dsts| {
-        for (dst, buf) in dsts.iter_mut().zip(&bufs) {
-            if let Err(e) = buf.copy_to_slice(py, dst) {
-                err.get_or_insert(e);
-            }
-        }
-    })?;
-    if let Some(e) = err {
-        return Err(e);
-    }
+    let refs: Vec<&PyBuffer<u8>> = bufs.iter().collect();
+    let made = super::outgoing::copy_buffers(py, &refs)?;
     Ok(made.into_iter().map(|inner| Blob { inner }).collect())
 }

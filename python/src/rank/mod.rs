@@ -3,6 +3,7 @@
 //! - [`runtime`]: `start` / `Rank.receive`, the component and script registries;
 //! - [`task`]: `Task`, `Context`, `Abort`;
 //! - [`blob`]: `Blob`, `SharedBuffer`, `PrivateBuffer` (zero-copy buffers);
+//! - `outgoing`: a reply's buffers into shared memory (or passed on as input views);
 //! - [`convert`]: values and exceptions;
 //! - [`errors`]: the typed exceptions.
 
@@ -11,6 +12,7 @@ use pyo3::prelude::*;
 pub mod blob;
 pub mod convert;
 pub mod errors;
+pub(crate) mod outgoing;
 pub mod runtime;
 pub mod task;
 

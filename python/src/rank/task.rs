@@ -291,6 +291,22 @@ pub struct Task {
 }
 
 impl Task {
+    /// The input's blobs still reachable from `input.blobs` (what a view sent back may
+    /// lie in; see `outgoing::input_view`).
+    fn input_blobs(&self, py: Python<'_>) -> Vec<RBlob> {
+        let Ok(blobs) = self.input.bind(py).getattr("blobs") else {
+            return Vec::new();
+        };
+        let Ok(blobs) = blobs.cast_into::<PyDict>() else {
+            return Vec::new();
+        };
+        blobs
+            .values()
+            .iter()
+            .filter_map(|v| v.cast::<Blob>().ok().map(|b| b.get().inner.clone()))
+            .collect()
+    }
+
     fn take_reply(&self) -> PyResult<Reply> {
         self.reply
             .lock()
@@ -334,6 +350,7 @@ fn shareable_from_py(
     output: Option<&Bound<'_, PyAny>>,
     meta: Option<&Bound<'_, PyDict>>,
     blobs: Option<&Bound<'_, PyDict>>,
+    inputs: &[RBlob],
 ) -> PyResult<Shareable> {
     let mut out = Shareable::new();
     let mut copies: Vec<(String, PyBuffer<u8>)> = Vec::new();
@@ -354,7 +371,10 @@ fn shareable_from_py(
                     FromPy::Copy(buf) => {
                         out.take_blob(&name);
                         copies.retain(|(n, _)| *n != name);
-                        copies.push((name, buf));
+                        match super::outgoing::input_view(&buf, inputs) {
+                            Some(view) => out.set_blob(name, view),
+                            None => copies.push((name, buf)),
+                        }
                     }
                 }
             }
@@ -377,18 +397,8 @@ fn shareable_from_py(
     add(meta.map(|m| m.as_any()), blobs.map(|b| b.as_any()))?;
     if !copies.is_empty() {
         // Every large buffer into one memory file: one copy each, one descriptor.
-        let lens: Vec<usize> = copies.iter().map(|(_, b)| b.len_bytes()).collect();
-        let mut err = None;
-        let made = RBlob::shared_many(&lens, |dsts| {
-            for (dst, (_, buf)) in dsts.iter_mut().zip(&copies) {
-                if let Err(e) = buf.copy_to_slice(py, dst) {
-                    err.get_or_insert(e);
-                }
-            }
-        })?;
-        if let Some(e) = err {
-            return Err(e);
-        }
+        let bufs: Vec<&PyBuffer<u8>> = copies.iter().map(|(_, b)| b).collect();
+        let made = super::outgoing::copy_buffers(py, &bufs)?;
         for ((name, _), blob) in copies.into_iter().zip(made) {
             out.set_blob(name, blob);
         }
@@ -460,7 +470,8 @@ impl Task {
         meta: Option<&Bound<'_, PyDict>>,
         blobs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        let out = match shareable_from_py(py, output, meta, blobs) {
+        let inputs = self.input_blobs(py);
+        let out = match shareable_from_py(py, output, meta, blobs, &inputs) {
             Ok(o) => o,
             Err(e) => {
                 // A reply that cannot be built fails the task (with why), and says so.

@@ -12,7 +12,16 @@ from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import Shareable
 
-from rankexec.flare.arrays import Member, Unsendable, from_blobs, pack_data, unpack_data
+from rankexec.flare.arrays import (
+    MAX_PARTS,
+    PART_MIN,
+    Member,
+    Unsendable,
+    from_blobs,
+    pack_data,
+    parts_of,
+    unpack_data,
+)
 from rankexec.flare.executor import ERROR_HEADER, MultiProcessExecutor
 
 DTYPES = [
@@ -145,3 +154,21 @@ def test_a_result_whose_blob_does_not_match_its_spec_is_an_error_naming_it():
     with pytest.raises(Unsendable) as e:
         ex._reply(spec, {"t": b"\0" * 4}, None, dxo)
     assert e.value.key == "t" and "unknown torch dtype" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [128 << 20] * 8,  # the 8 x 128 MiB: a part each
+        [(i % 7 + 1) << 20 for i in range(424)],  # a transformer's 1-7 MiB tensors
+        [3 << 20] * 5 + [2 << 30],  # small ones, then one larger than all of them
+        [1 << 10] * 3,  # under one part
+    ],
+)
+def test_a_model_travels_in_at_most_16_parts_of_at_least_64_mib(sizes):
+    named = {f"t{i}": n for i, n in enumerate(sizes)}
+    parts = parts_of(named)
+    assert [n for part in parts for n in part] == list(named)  # every name once, in order
+    assert 1 <= len(parts) <= MAX_PARTS
+    for part in parts[:-1]:
+        assert sum(named[n] for n in part) >= PART_MIN

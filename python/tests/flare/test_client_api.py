@@ -153,6 +153,9 @@ ECHO = (
                 "round": m.current_round, "total": m.total_rounds}
         flare.send(FLModel(params=out, metrics={"loss": 0.25}, meta=meta))
     mark(f"end-{rank}")
+    # Left open, unflushed: the rank's quick end after the close still writes it out.
+    left_open = open(os.path.join(args.marks, f"unclosed-{rank}"), "w")
+    left_open.write("buffered, never flushed by the script")
 """
 )
 
@@ -197,6 +200,9 @@ def test_script_runs_as_python_script_with_torchrun_env_and_flare_semantics(tmp_
     for r in (0, 1):
         assert (g.marks / f"end-{r}").exists()
         assert "Traceback" not in g.stderr(r)
+        # The file the script left open was flushed when the rank ended (no teardown).
+        unclosed = (g.marks / f"unclosed-{r}").read_text()
+        assert unclosed == "buffered, never flushed by the script", unclosed
     # Rank 1's loop ran once per task, never receiving, and ended with the run.
     iterations = sorted(p.name for p in g.marks.glob("iteration-1-*"))
     assert iterations == ["iteration-1-1", "iteration-1-2"], iterations

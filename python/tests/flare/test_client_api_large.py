@@ -201,6 +201,20 @@ def _memory_files(pids: list[int], at_least: int, name: str) -> dict[int, list[s
     return held
 
 
+def _file_sizes(pid: int, name: str) -> dict[int, int]:
+    """The memory files `name*` `pid` holds open: their inodes and sizes."""
+    out: dict[int, int] = {}
+    for e in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{e}"
+        try:
+            if os.readlink(path).startswith(f"/memfd:{name}"):
+                st = os.stat(path)
+                out[st.st_ino] = st.st_size
+        except OSError:
+            continue
+    return out
+
+
 def _span(line: str) -> int:
     lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
     return hi - lo
@@ -218,13 +232,15 @@ def test_a_large_input_is_let_go_once_rank_0_has_it(tmp_path, groups):
     t, replies = _execute_in_thread(g, shareable)
     try:
         assert wait_until(lambda: (g.marks / "received").exists(), timeout=CAP_S)
-        pids = [os.getpid(), *g.pids]
-        # The host's memory file (rankexec-staged): rank 0 lets go of it right after
-        # its copy (into a file of its own, rankexec-py-blob); wait for that.
-        assert wait_until(lambda: not _memory_files(pids, 64 << 20, "rankexec-staged"), 30), (
-            f"still held: {_memory_files(pids, 64 << 20, 'rankexec-staged')}"
+        # The input's memory files (staged by the host): once rank 0 has its copy (in
+        # files of its own), neither the host nor the other rank holds them.
+        others = [os.getpid(), *g.pids[1:]]
+        assert wait_until(lambda: not _memory_files(others, 64 << 20, "rankexec"), 30), (
+            f"still held: {_memory_files(others, 64 << 20, 'rankexec')}"
         )
-        assert _memory_files([g.pids[0]], 300 << 20, "rankexec-py-blob"), "rank 0's own copy"
+        # Rank 0's own copy, one file per part of the model (4 x 80 MiB).
+        own = _file_sizes(g.pids[0], "rankexec-py-blob")
+        assert sum(own.values()) >= 320 << 20 and len(own) == 4, own
     finally:
         (g.marks / "go").write_text("")
         t.join(CAP_S)
@@ -266,3 +282,69 @@ def test_rank_0_sends_its_updated_params_without_a_copy(tmp_path, groups):
         # The host maps rank 0's own params file (the one it received into), sealed.
         where = _mapped_from_memfd(got[k].data_ptr())
         assert where is not None and "rankexec-py-blob" in where, (k, where)
+
+
+USER_IN_PLACE = (
+    PREAMBLE
+    + """
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    flare.init()
+
+    def wait_for(name):
+        while not os.path.exists(os.path.join(args.marks, name)):
+            time.sleep(0.01)
+
+    while True:     # the issue's user script (benchmarks/flare/inplace_client.py)
+        go = [rank == 0 and flare.is_running()]
+        dist.broadcast_object_list(go, src=0)   # the other rank waits here, in gloo
+        if not go[0]:
+            break
+        if rank == 0:
+            m = flare.receive()
+            for t in m.params.values():
+                t.add_(1)   # in place; the loop variable `t` outlives the loop
+            flare.send(m)   # the received FLModel itself
+            mark("sent")
+            wait_for("go")
+        dist.barrier()
+    dist.destroy_process_group()
+"""
+)
+
+
+def test_after_send_the_site_holds_what_the_script_still_references(tmp_path, groups):
+    # The issue's plain in-place script (rank 0 sends the received FLModel back and keeps
+    # a loop variable; the other rank waits, not in flare): once the result is back,
+    # the other rank holds nothing of the input, and rank 0 only the part of its own
+    # copy that its leftover tensor is in (one 64 MiB part of 256 MiB), not the model.
+    g = groups(
+        tmp_path,
+        USER_IN_PLACE,
+        params_exchange_format="pytorch",
+        server_expected_format="pytorch",
+    )
+    sent = {f"h.{i}.w": torch.full((16 << 20,), float(i)) for i in range(4)}
+    reply = g.execute("train", {k: v.clone() for k, v in sent.items()})
+    try:
+        assert reply.get_return_code(ReturnCode.OK) == ReturnCode.OK, reply
+        got = from_shareable(reply).data
+        for k, v in sent.items():
+            assert torch.equal(got[k], v + 1), k
+        del got, reply
+        assert wait_until(lambda: (g.marks / "sent").exists(), timeout=CAP_S)
+        # The other rank answered its part at once: it holds no memory file (the
+        # input's included), though it never called flare since.
+        assert wait_until(lambda: not _memory_files([g.pids[1]], 1 << 20, "rankexec"), 30), (
+            f"the other rank holds {_memory_files([g.pids[1]], 1 << 20, 'rankexec')}"
+        )
+
+        # Rank 0: only the file of the part `t` is in (64 MiB), not the model's 256 MiB.
+        def own() -> int:
+            return sum(n for n in _file_sizes(g.pids[0], "rankexec").values() if n >= 1 << 20)
+
+        assert wait_until(lambda: own() <= 64 << 20, 30), f"rank 0 holds {own()} bytes"
+        assert own() == 64 << 20, "the part `t` is in stays (the script still uses it)"
+    finally:
+        (g.marks / "go").write_text("")
