@@ -33,8 +33,11 @@ What the node runs (the ranks' interpreter, launcher, GPUs, environment) is the
 site's decision, from ``--node-config`` and a site file (``rankexec.flower._site``).
 
 Modules: ``_app`` (the ClientApp), ``_start`` (finding or starting the node's host),
-``host`` (the host: the site's authority, the runs' groups), ``_site`` (the site's
-rules), ``_channel`` (the authenticated socket), ``_rank`` (the rank component),
+``host`` (the host: the site's authority, the runs' groups; its parts are ``_hostnode``,
+``_hostserve``, ``_hostops``, ``_hostwatch``, ``_hostcli``, ``_hostlog``), ``_site`` (the
+site's rules), ``_channel`` (the authenticated socket; its frames are ``_frames``),
+``_peer`` (who may connect: a host run as its own service user), ``_rank`` (the rank
+component),
 ``_codec`` (messages to buffers), ``_arrays`` (``ndarrays``, ``shared_array_record``), ``_state``
 (``abort_requested``), ``_server`` (``close_groups``), ``_control`` (the SuperLink's
 Control API), ``deployment`` (a local Deployment Engine for tests).

@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp as FlowerClientApp
 
 from rankexec._staging import stage_releasing
-from rankexec.flower import _channel, _codec, _start
+from rankexec.flower import _channel, _codec, _peer, _start
 from rankexec.flower._channel import ChannelError
 from rankexec.flower._server import CLOSE_MESSAGE_TYPE
 
@@ -134,7 +134,7 @@ class ClientApp(FlowerClientApp):
         }
         blobs.clear()  # the request holds them until it is sent, then lets go of them
         try:
-            directory = _channel.node_dir(context.node_id)
+            directory = _peer.client_dir(context.node_id)
             out = _start.request(directory, req, context.node_id)
         except ChannelError as e:
             return Message(Error(code=_RAISED, reason=f"rankexec: {e}"), reply_to=message)
@@ -155,10 +155,10 @@ class ClientApp(FlowerClientApp):
         return _codec.decode_message(back["reply"], got)
 
     def _close(self, message: Message, context: Context) -> Message:
-        directory = _channel.node_dir(context.node_id)
         pids: list[int] = []
         try:
-            sock = _channel.connect(directory, timeout=5)
+            directory = _peer.client_dir(context.node_id)
+            sock = _channel.connect(directory, timeout=5, host_uid=_peer.host_uid())
         except ChannelError:
             closed = False
         else:

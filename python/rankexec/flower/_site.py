@@ -38,6 +38,9 @@ Site file (JSON object; unknown keys refuse every request), all optional:
 - ``log_dir``: a folder the operator keeps for the ranks' logs (``run-<id>`` under it,
   kept); without it the logs live in a private folder on disk
   (``$XDG_STATE_HOME/rankexec-flower/node-<id>``) and go with their run.
+- ``max_rank_log``: the most bytes of each rank's stdout, and of its stderr, kept on
+  disk while a group lives (rankexec's ``max_rank_log``: a size such as ``"4MiB"`` or
+  bytes, at least 64 KiB; default 64 MiB); an app cannot set one.
 
 Caveats: the request keys ``deadlines``, ``resources`` and ``restart`` are the app's
 own bounds and pass as they are (rankexec's configuration parser refuses unknown
@@ -78,6 +81,7 @@ _SITE_KEYS = {
     "lease_s",
     "superlink",
     "log_dir",
+    "max_rank_log",
 }
 _KINDS = ("torchrun", "mpirun", "srun")
 _GPU_KEYS = ("mode", "devices", "require_gpu")
@@ -87,6 +91,7 @@ _SITE_ONLY = {
     "worker": ("the ranks' program is the site's Python `-m rankexec.worker`", "python"),
     "env": ("the ranks' environment is the site's", "env"),
     "log_dir": ("the ranks' logs go where the site says", "log_dir"),
+    "max_rank_log": ("the ranks' logs are bounded by the site", "max_rank_log"),
     "components": ("the ranks run rankexec.flower's own component", "python"),
 }
 
@@ -251,6 +256,15 @@ def group_config(
         cfg["gpu"] = gpu
     if site.get("env") is not None:
         cfg["env"] = site["env"]
+    cap = site.get("max_rank_log")
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, (int, str)):
+            where = _where(site, "max_rank_log")
+            raise SiteError(
+                f'max_rank_log {json.dumps(cap)} is not a size (bytes, or a string such as "4MiB")'
+                f" ({where})"
+            )
+        cfg["max_rank_log"] = cap
     return cfg
 
 

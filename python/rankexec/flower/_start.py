@@ -5,6 +5,10 @@ that finds no host on its node starts ``python -m rankexec.flower.host`` (in its
 session, with the SuperNode's environment) and every later one connects to it. A file
 lock (``start.lock`` in the node's folder) makes concurrent first messages start one.
 
+A host the site runs as its own service user (``RANKEXEC_FLOWER_NODE_DIR``, see
+``_peer``) is never started from here: the ClientApp connects to it, checking that it
+runs as ``RANKEXEC_FLOWER_HOST_UID``, or fails naming the folder.
+
 Caveats: the SuperNode is found among this process's ancestors by its program name
 (``flower-supernode``); under the Simulation Engine the Ray actor's pid is watched
 instead. What the host allows is its own reading of the site, never this process's.
@@ -22,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower import _channel
+from rankexec.flower import _channel, _peer
 from rankexec.flower._channel import ChannelError
 
 # rankexec.flower.host's exit code when another host serves the node.
@@ -61,8 +65,17 @@ def connect_or_start(directory: Path, node_id: int) -> Any:
 
     The host is given only where to serve and whom to watch; it reads the site's rules
     itself. A host that finds another live one (exit ``HOST_TAKEN_EXIT``) leaves, and
-    this keeps connecting to that one until the start-up deadline.
+    this keeps connecting to that one until the start-up deadline. A host the site
+    runs (``RANKEXEC_FLOWER_NODE_DIR``) is connected to, never started.
     """
+    if _peer.is_service_dir():
+        try:
+            return _channel.connect(directory, host_uid=_peer.host_uid())
+        except ChannelError as e:
+            raise ChannelError(
+                f"{e} (RANKEXEC_FLOWER_NODE_DIR: the site runs this node's host; a ClientApp"
+                " does not start it)"
+            ) from e
     with contextlib.suppress(ChannelError):
         return _channel.connect(directory)
     with open(directory / "start.lock", "w") as lock:
@@ -137,7 +150,7 @@ def host_status(node_id: int) -> dict[str, Any] | None:
     (``runs``: run id to ``{"pids", "busy"}``; ``pids``, ``busy``: over every run), or
     None when none runs."""
     try:
-        sock = _channel.connect(_channel.node_dir(node_id), timeout=5)
+        sock = _channel.connect(_peer.client_dir(node_id), timeout=5, host_uid=_peer.host_uid())
     except ChannelError:
         return None
     with sock:
