@@ -8,7 +8,10 @@ impls), the `ScatterAndGather` workflow's args (src/job/model.rs), the signature
 ``Args:`` docstring sections of ``rankexec.flare.MultiProcessExecutor``,
 ``rankexec.flare.ScriptExecutor`` and ``rankexec.flower.ClientApp``, and the Flower site
 file's keys (``rankexec.flower._site``: its docstring list, checked against the keys
-the code accepts).
+the code accepts); and, through scripts/config_sections.py, the FLARE site policy's keys,
+``meta.json``, the ``rank_source`` values, the ``RANKEXEC_`` environment variables and
+every command line (the built ``target/release/rankexec``'s ``--help``, the Python
+command lines' argparse parsers).
 
     python scripts/gen-config-docs.py            # writes docs/configuration.md
     python scripts/gen-config-docs.py --check    # exit 1 when the committed page differs
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import re
 import sys
 from pathlib import Path
 from typing import Any
+
+import config_sections  # scripts/config_sections.py: the policy, env, CLI sections
+from config_sections import face_settings, python_section
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "configuration.md"
@@ -98,16 +103,22 @@ class RustSchema:
         self.text = "\n".join(p.read_text() for p in paths)
         self.structs: dict[str, dict[str, Any]] = {}
         self.enums: dict[str, dict[str, Any]] = {}
-        pat = r"((?:\s*///[^\n]*\n)*)\s*((?:#\[[^\n]*\]\s*)*)pub (struct|enum) (\w+)\s*\{"
+        pat = (
+            r"((?:\s*///[^\n]*\n)*)\s*((?:#\[[^\n]*\]\s*)*)pub (struct|enum) (\w+)\s*\{"
+        )
         for m in re.finditer(pat, self.text):
             body, _ = _body(self.text, m.end() - 1)
             doc = " ".join(
-                x.strip()[3:].strip() for x in m.group(1).strip().split("\n") if x.strip()
+                x.strip()[3:].strip()
+                for x in m.group(1).strip().split("\n")
+                if x.strip()
             )
             entry = {"doc": doc, "attrs": m.group(2), "items": _items(body)}
             (self.structs if m.group(3) == "struct" else self.enums)[m.group(4)] = entry
         self.fns = dict(
-            re.findall(r"fn (\w+)\(\) -> [\w<>]+ \{\s*(.+?)\s*\}\n", self.text, re.DOTALL)
+            re.findall(
+                r"fn (\w+)\(\) -> [\w<>]+ \{\s*(.+?)\s*\}\n", self.text, re.DOTALL
+            )
         )
 
     def struct_defaults(self, name: str) -> dict[str, str]:
@@ -182,6 +193,7 @@ def _type(t: str, schema: RustSchema) -> str:
         "ByteSize": "size",
         "PathBuf": "path",
         "ComponentConfig": "component `{id, path, args}`",
+        "serde_json::Value": "any JSON",
     }
     if t in simple:
         return simple[t]
@@ -273,73 +285,19 @@ def rust_section(schema: RustSchema, struct: str) -> list[str]:
         e = schema.enums[enum]
         out += ["", f"#### `{key}`", "", e["doc"], ""]
         for v in e["items"]:
-            default = " (the default)" if any("#[default]" in a for a in v["attrs"]) else ""
+            default = (
+                " (the default)" if any("#[default]" in a for a in v["attrs"]) else ""
+            )
             out.append(f"- {_variant_form(v, schema)}{default}: {v['doc']}")
             for f in v["fields"]:
                 fd = _default_of(f, {}, schema)
-                out.append(f"    - `{f['name']}` ({_type(f['type'], schema)}, {fd}): {f['doc']}")
+                out.append(
+                    f"    - `{f['name']}` ({_type(f['type'], schema)}, {fd}): {f['doc']}"
+                )
     return out
 
 
 # --- Python ----------------------------------------------------------------------------
-
-
-def _args_section(cls: type) -> dict[str, str]:
-    doc = inspect.getdoc(cls.__init__) or ""
-    if "\nArgs:\n" not in "\n" + doc:
-        raise GenError(
-            f"{cls.__module__}.{cls.__qualname__}.__init__ has no `Args:` section in its docstring"
-        )
-    part = doc.split("Args:\n", 1)[1]
-    out: dict[str, str] = {}
-    names: list[str] = []
-    firsts: dict[str, str] = {}
-    for line in part.split("\n"):
-        if not line.strip():
-            if names:
-                continue
-            break
-        if not line.startswith(" "):
-            break
-        m = re.match(r"    ([\w, ]+?): (.*)$", line)
-        if m and not line.startswith("     "):
-            names = [n.strip() for n in m.group(1).split(",")]
-            for n in names:
-                out[n] = m.group(2).strip()
-                firsts[n] = names[0]
-        elif names:
-            for n in names:
-                out[n] += " " + line.strip()
-    # One entry for several args: the first carries the text, the others point at it.
-    return {n: (t if firsts[n] == n else f"as for `{firsts[n]}`") for n, t in out.items()}
-
-
-def _py_default(p: inspect.Parameter) -> str:
-    if p.default is inspect.Parameter.empty:
-        return "required"
-    d = getattr(p.default, "value", p.default)
-    if d is None:
-        return "none"
-    return f"`{d!r}`".replace("'", '"')
-
-
-def python_section(path: str) -> list[str]:
-    module, name = path.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module), name)
-    args = _args_section(cls)
-    params = [p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"]
-    missing = [p.name for p in params if p.name not in args]
-    extra = sorted(set(args) - {p.name for p in params})
-    if missing or extra:
-        raise GenError(f"{path}: `Args:` lacks {missing} and names unknown {extra}")
-    out = ["| arg | type | default | meaning |", "|---|---|---|---|"]
-    for p in params:
-        ann = (
-            p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
-        )
-        ann = (ann or "any").replace(" | ", " or ")
-        out.append(f"| `{p.name}` | `{ann}` | {_py_default(p)} | {args[p.name]} |")
-    return out
 
 
 def flower_site_section() -> list[str]:
@@ -374,18 +332,24 @@ def flower_site_section() -> list[str]:
 def page() -> str:
     schema = RustSchema(ROOT / "executor/src/config/schema.rs")
     job = RustSchema(ROOT / "src/job/model.rs")
+    group_keys = [f["name"] for f in schema.structs["ExecutorConfig"]["items"]]
     units = (ROOT / "executor/src/units.rs").read_text()
     if "KiB" not in units:
-        raise GenError("executor/src/units.rs no longer speaks of KiB: check the units text")
+        raise GenError(
+            "executor/src/units.rs no longer speaks of KiB: check the units text"
+        )
     lines = [
         "# Configuration reference",
         "",
         "<!-- Generated by scripts/gen-config-docs.py from the code; do not edit by hand. -->",
         "",
-        "Every argument a job, a site or an app can set, with its type, default and meaning,",
-        "generated from the code (`python scripts/gen-config-docs.py`; the docs test fails",
-        "when this page differs from what it writes). Start from your framework's chapter;",
-        "come here for the exact key.",
+        "Every file, key, argument, command line, environment variable and enumerated value a",
+        "job, a site or an app can set, with its type, default and meaning, generated from the",
+        "code (`python scripts/gen-config-docs.py`; the docs test fails when this page differs",
+        "from what it writes, and `python/tests/test_config_reference.py` checks it against",
+        "the binaries' `--help`, the signatures and a grep of the sources). Start from your",
+        "framework's chapter; come here for the exact key. The Python classes' methods and",
+        "docstrings: the [API reference](api/index.md).",
         "",
         "Sizes accept `4GiB`, `512 MB`, `1.5G` (KB/MB/GB are powers of 1000, KiB/MiB/GiB and",
         "bare K/M/G powers of 1024). Durations accept `500ms`, `30s`, `5m`, `1h` or seconds.",
@@ -393,9 +357,10 @@ def page() -> str:
         "## rankexec's executor arguments",
         "",
         "The rank group's settings: the `args` of a rankexec job's `MultiProcessExecutor`, the",
-        "dict a `rankexec.host.RankGroup` takes, and (but for `executor_id`, `components`",
-        "and `worker`, which the FLARE and Flower faces fill in) the group settings of",
-        "FLARE's and Flower's faces below. From `executor/src/config/schema.rs`.",
+        "`--config` file of `rankexec run` and the dict a `rankexec.host.RankGroup` takes. The",
+        "FLARE and Flower faces below take a part of them as their own args (each says which)",
+        "and fill in `executor_id`, `components` and `worker`. From",
+        "`executor/src/config/schema.rs`.",
         "",
     ]
     lines += rust_section(schema, "ExecutorConfig")
@@ -408,6 +373,7 @@ def page() -> str:
         "[rankexec's executor arguments](#rankexecs-executor-arguments).",
         "",
     ]
+    lines += face_settings(group_keys, "rankexec.flare.MultiProcessExecutor")
     lines += python_section("rankexec.flare.MultiProcessExecutor")
     lines += [
         "",
@@ -417,7 +383,40 @@ def page() -> str:
         "`ClientAPIExecutor`.",
         "",
     ]
+    lines += face_settings(group_keys, "rankexec.flare.ScriptExecutor")
     lines += python_section("rankexec.flare.ScriptExecutor")
+    lines += [
+        "",
+        "## `rankexec.flare.ScriptRunner`",
+        "",
+        "FLARE's Job API: `job.to(ScriptRunner(...), site)` adds a `ScriptExecutor` and ships",
+        "the script in the job's `custom/` folder.",
+        "",
+    ]
+    lines += python_section("rankexec.flare.ScriptRunner")
+    lines += [
+        "",
+        "## `rankexec.flare.use_rank_groups`",
+        "",
+        "FLARE's Recipe API: `use_rank_groups(recipe, ...)` turns a recipe's Client API",
+        "executors into `ScriptExecutor`s.",
+        "",
+    ]
+    lines += python_section("rankexec.flare.use_rank_groups")
+    lines += [
+        "",
+        "## `rankexec.flare.resources.GpuResourceManager` and `GpuResourceConsumer`",
+        "",
+        "The site's GPU authority, in the site's resources file",
+        "(`python -m rankexec.flare gpus` sets them): `resource_manager`'s args, then",
+        "`resource_consumer`'s.",
+        "",
+    ]
+    lines += python_section("rankexec.flare.resources.GpuResourceManager")
+    lines += [""]
+    lines += python_section("rankexec.flare.resources.GpuResourceConsumer")
+    lines += [""]
+    lines += config_sections.policy_section()
     lines += [
         "",
         "## `rankexec.flower.ClientApp`",
@@ -426,6 +425,7 @@ def page() -> str:
         "`launcher` and `gpu` (below).",
         "",
     ]
+    lines += face_settings(group_keys, "rankexec.flower.ClientApp")
     lines += python_section("rankexec.flower.ClientApp")
     lines += [
         "",
@@ -446,6 +446,29 @@ def page() -> str:
         "",
     ]
     lines += rust_section(job, "ScatterAndGatherArgs")
+    lines += [
+        "",
+        "## `meta.json` and the apps' files (rankexec simulate's job folder)",
+        "",
+        "A job folder's `meta.json`; unknown keys are refused, in every file of the folder.",
+        "From `src/job/model.rs`.",
+        "",
+    ]
+    lines += rust_section(job, "Meta")
+    for title, struct, what in (
+        ("`app/config/config_fed_client.json`", "ClientAppConfig", "The client app."),
+        ("an entry of `executors`", "ExecutorEntry", "One executor and its tasks."),
+        ("`app/config/config_fed_server.json`", "ServerAppConfig", "The server app."),
+        ("`ModelPersistor` (a server component)", "PersistorArgs", "Its `args`."),
+    ):
+        lines += ["", f"### {title}", "", what + " From `src/job/model.rs`.", ""]
+        lines += rust_section(job, struct)
+    lines += [""]
+    lines += config_sections.rank_source_section()
+    lines += [""]
+    lines += config_sections.env_section()
+    lines += [""]
+    lines += config_sections.cli_section()
     return "\n".join(lines) + "\n"
 
 
@@ -457,7 +480,7 @@ def main() -> int:
     a = ap.parse_args()
     try:
         text = page()
-    except GenError as e:
+    except (GenError, config_sections.SectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.check:

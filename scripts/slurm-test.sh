@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # srun under a real Slurm: starts a single-machine Slurm cluster from Debian's packages
 # in a temporary directory (scripts/slurm-cluster.sh), runs tests/slurm.rs against it,
-# and stops it again, even when a test fails.
+# then the cluster recipe of examples/slurm as its page shows it (sbatch
+# train.sbatch executor.json on one node with 2 ranks: srun, the TCP transport; about
+# 10 s), and stops it again, even when a test fails.
 #
 #   scripts/slurm-test.sh [CARGO ARGS...]   e.g. --features mpi, to reuse a build
 #
@@ -55,6 +57,21 @@ fi
 
 say "cargo test --test slurm $* (srun under the cluster at $DIR)"
 RANKEXEC_TEST_SLURM_CONF="$DIR/slurm.conf" cargo test "$@" --test slurm -- --test-threads=1
+
+# The recipe of docs/gpus-launchers.md ("srun inside an sbatch allocation"), one node.
+say "examples/slurm: sbatch --wait train.sbatch executor.json (1 node, 2 ranks)"
+cargo build --release --locked -q --bin rankexec
+OUT="$DIR/recipe.out"
+if ! SLURM_CONF="$DIR/slurm.conf" PATH="$PWD/target/release:$PATH" timeout 600 \
+    sbatch --wait --quiet --nodes=1 --ntasks-per-node=2 --output="$OUT" \
+    examples/slurm/train.sbatch examples/slurm/executor.json 2; then
+    echo "error: the examples/slurm recipe failed:" >&2
+    cat "$OUT" >&2 || true
+    exit 1
+fi
+for want in "rankexec host on .*: 2 ranks on 1 node" "round 0: ok" "round 1: ok" "group stopped"; do
+    grep -q "$want" "$OUT" || { echo "error: no \"$want\" in the recipe's output:" >&2; cat "$OUT" >&2; exit 1; }
+done
 
 scripts/slurm-cluster.sh stop "$DIR"
 for d in slurmctld slurmd slurmstepd; do

@@ -1,9 +1,16 @@
-//! The README's five-minute tour, as a new user meets it: every `$ ` command of the
-//! "A five-minute tour" section runs as written, in order, in a fresh `git clone` of
-//! this repository (its committed state). The clone's `target` is a link to this
-//! build's target directory, so only the workspace's own crates are rebuilt (release).
+//! The README's five-minute tour, as a new user meets it: every ```` ```console ````
+//! block of the "A five-minute tour" section runs as written, in order, in a fresh `git
+//! clone` of this repository (its committed state), and what each command prints is
+//! compared with every line the README shows. The notation is the guide's
+//! (docs/CONVENTIONS.md, "Fenced blocks"): `$ ` a command (`\` continues it), `? N` its
+//! exit code (default 0), then the lines it prints, stdout and stderr together, each
+//! matching one whole line, `[..]` any text within a line, a line `...` any lines.
+//! The clone's `target` is a link to this build's target directory, so only the
+//! workspace's own crates are rebuilt (release).
 //!
-//! It takes a few minutes: release builds of the workspace and `bench --quick`.
+//! Caveats: cargo's own progress lines (`Compiling`, `Finished`, `Running`, ...) are
+//! not compared, a reader's cargo prints them or not; blank lines are not compared. It
+//! takes a few minutes: release builds of the workspace and `bench --quick`.
 
 mod common;
 
@@ -13,45 +20,140 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// The `$ ` commands of the README's tour section, in order.
-fn tour_commands(readme: &str) -> Vec<String> {
+/// One `$ ` command of the tour, with what it must do.
+#[derive(Debug, PartialEq)]
+struct Step {
+    cmd: String,
+    code: i32,
+    lines: Vec<String>,
+}
+
+/// The `$ ` commands of the ```` ```console ```` blocks of the README's tour, in order.
+fn tour_steps(readme: &str) -> Vec<Step> {
     let start = readme
         .find("## A five-minute tour")
         .expect("the README has a tour");
     let section = &readme[start..];
     let end = section[3..].find("\n## ").map_or(section.len(), |i| i + 3);
-    section[..end]
-        .lines()
-        .filter_map(|l| l.strip_prefix("$ "))
-        .map(str::to_owned)
-        .collect()
+    let mut steps: Vec<Step> = Vec::new();
+    let mut in_block = false;
+    let mut lines = section[..end].lines();
+    while let Some(line) = lines.next() {
+        if !in_block {
+            in_block = line.trim_start() == "```console";
+            continue;
+        }
+        if line.trim_start().starts_with("```") {
+            in_block = false;
+        } else if let Some(cmd) = line.strip_prefix("$ ") {
+            let mut cmd = cmd.to_owned();
+            while cmd.ends_with('\\') {
+                cmd.pop();
+                cmd.push('\n');
+                cmd.push_str(lines.next().unwrap_or_default());
+            }
+            steps.push(Step {
+                cmd,
+                code: 0,
+                lines: Vec::new(),
+            });
+        } else if let Some(step) = steps.last_mut() {
+            match line.trim().strip_prefix("? ").map(str::parse::<i32>) {
+                Some(Ok(code)) if step.lines.is_empty() => step.code = code,
+                _ if line.trim().is_empty() => {}
+                _ => step.lines.push(line.to_owned()),
+            }
+        } else {
+            panic!("README tour: output before the first `$ ` command: {line:?}");
+        }
+    }
+    steps
 }
 
-/// What each command must do: its exit code and a line its output contains.
-fn expectation(cmd: &str) -> (i32, &'static str) {
-    let table: [(&str, i32, &str); 8] = [
-        ("simulate examples/jobs/fedavg", 0, "status: completed"),
-        ("simulate examples/jobs/timeout", 1, "status: aborted"),
-        ("--component Echo", 0, r#"round 2: ok in"#),
-        (
-            "--component Fail",
-            1,
-            "round 0: failed: rank 2 failed: exception: bad batch",
-        ),
-        (
-            "--component Exit",
-            1,
-            "round 0: failed: rank 1 failed: pid ",
-        ),
-        ("rankexec gpus", 0, "GPU"),
-        ("cargo build --release --workspace", 0, ""),
-        ("rankexec bench --quick", 0, "done in"),
-    ];
-    table
-        .iter()
-        .find(|(k, _, _)| cmd.contains(k))
-        .map(|(_, code, text)| (*code, *text))
-        .unwrap_or_else(|| panic!("the tour test does not know what `{cmd}` should do"))
+/// Whether `got` is the shown line: `[..]` stands for any text.
+fn line_matches(want: &str, got: &str) -> bool {
+    let parts: Vec<&str> = want.trim_end().split("[..]").collect();
+    let got = got.trim_end();
+    if parts.len() == 1 {
+        return parts[0] == got;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !got.starts_with(first) || got.len() < first.len() + last.len() || !got.ends_with(last) {
+        return false;
+    }
+    let mut rest = &got[first.len()..got.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(i) => rest = &rest[i + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Whether the output is the shown lines, in order, nothing between them except where
+/// a line `...` stands (any lines, none included).
+fn output_matches(want: &[String], got: &[&str]) -> bool {
+    match want.split_first() {
+        None => got.is_empty(),
+        Some((w, rest)) if w.trim() == "..." => {
+            (0..=got.len()).any(|k| output_matches(rest, &got[k..]))
+        }
+        Some((w, rest)) => {
+            !got.is_empty() && line_matches(w, got[0]) && output_matches(rest, &got[1..])
+        }
+    }
+}
+
+/// cargo's own progress lines, which a reader's cargo prints or not.
+fn is_cargo_progress(line: &str) -> bool {
+    let t = line.trim_start();
+    [
+        "Compiling ",
+        "Finished ",
+        "Running ",
+        "Blocking ",
+        "Updating ",
+        "Locking ",
+        "Downloading ",
+        "Downloaded ",
+        "Fresh ",
+    ]
+    .iter()
+    .any(|p| t.starts_with(p))
+}
+
+#[test]
+fn the_notation() {
+    let steps = tour_steps(
+        "## A five-minute tour\n```console\n$ a \\\n  b\n? 1\nx [..] y\n...\n```\n\n```text\n$ no\n```\n## Next\n```console\n$ c\n```",
+    );
+    assert_eq!(
+        steps,
+        vec![Step {
+            cmd: "a \n  b".into(),
+            code: 1,
+            lines: vec!["x [..] y".into(), "...".into()]
+        }]
+    );
+    let want = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert!(output_matches(
+        &want(&["x [..] y", "...", "z"]),
+        &["x 1 2 y", "w", "z"]
+    ));
+    assert!(!output_matches(
+        &want(&["x [..] y", "z"]),
+        &["x 1 2 y", "w", "z"]
+    ));
+    assert!(!output_matches(
+        &want(&["z", "...", "x [..] y"]),
+        &["x 1 2 y", "z"]
+    ));
+    assert!(output_matches(&want(&["...", "b"]), &["a", "b"]));
+    assert!(!output_matches(&want(&[]), &["a"]));
+    assert!(line_matches("a [..]b[..] c", "a xbx c"));
+    assert!(!line_matches("a [..] c", "a c"));
+    assert!(!line_matches("a(b)", "a(b) x"));
 }
 
 fn git(args: &[&str], dir: &Path) {
@@ -67,8 +169,8 @@ fn git(args: &[&str], dir: &Path) {
 fn the_readme_tour_works_in_order_in_a_fresh_clone() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(repo.join("README.md")).unwrap();
-    let commands = tour_commands(&readme);
-    assert!(commands.len() >= 7, "{commands:?}");
+    let steps = tour_steps(&readme);
+    assert!(steps.len() >= 7, "{steps:?}");
 
     let tmp = tempfile::tempdir().unwrap();
     let clone = tmp.path().join("rankexec");
@@ -92,12 +194,12 @@ fn the_readme_tour_works_in_order_in_a_fresh_clone() {
     std::fs::create_dir_all(&xdg).unwrap();
     std::fs::create_dir_all(&scratch).unwrap();
 
-    for (i, cmd) in commands.iter().enumerate() {
-        let (want_code, want_text) = expectation(cmd);
+    for (i, step) in steps.iter().enumerate() {
+        let cmd = &step.cmd;
         let out_path = tmp.path().join(format!("step-{i}.out"));
         let out = std::fs::File::create(&out_path).unwrap();
         let t = Instant::now();
-        let mut child = Command::new("sh")
+        let mut child = Command::new("bash")
             .arg("-c")
             .arg(cmd)
             .current_dir(&clone)
@@ -118,7 +220,7 @@ fn the_readme_tour_works_in_order_in_a_fresh_clone() {
         let text = std::fs::read_to_string(&out_path).unwrap_or_default();
         let shown: Vec<&str> = text
             .lines()
-            .filter(|l| !l.trim_start().starts_with("Compiling"))
+            .filter(|l| !l.trim().is_empty() && !is_cargo_progress(l))
             .collect();
         eprintln!(
             "$ {cmd}\n  exit {:?} in {:.1} s; last lines:\n    {}",
@@ -126,8 +228,19 @@ fn the_readme_tour_works_in_order_in_a_fresh_clone() {
             t.elapsed().as_secs_f64(),
             shown[shown.len().saturating_sub(3)..].join("\n    ")
         );
-        assert_eq!(status.code(), Some(want_code), "`{cmd}`:\n{text}");
-        assert!(text.contains(want_text), "`{cmd}` printed:\n{text}");
+        assert_eq!(
+            status.code(),
+            Some(step.code),
+            "`{cmd}` exited {:?}, the README says {}:\n{text}",
+            status.code(),
+            step.code
+        );
+        assert!(
+            output_matches(&step.lines, &shown),
+            "`{cmd}` did not print what the README shows:\n{}\nit printed:\n{}",
+            step.lines.join("\n"),
+            shown.join("\n")
+        );
     }
     // Nothing left behind: no run directory, and rank logs only where a round failed.
     assert_eq!(entries(&xdg.join("rankexec")), Vec::<String>::new());

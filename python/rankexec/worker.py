@@ -58,6 +58,10 @@ def _serve_one(task: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m rankexec.worker``: with arguments, the worker command line
+    (``--list-components``, ``--check-components JSON|-``, ``--version``, ``--help``);
+    without, serves this process as a component-style rank until the host closes the
+    group, and returns its exit code."""
     args = sys.argv[1:] if argv is None else argv
     if args:
         return _rankexec.worker_cli(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import docrun
 import numpy as np
 import pytest
 from conftest import BIN, REPO, env_with_python, pid_alive
@@ -16,19 +17,28 @@ from safetensors.numpy import load_file
 def test_ddp_digits_reaches_the_threshold(tmp_path, job):
     if not BIN.exists():
         pytest.fail(f"{BIN} is missing: run `cargo build --release` first")
-    ws = tmp_path / "ws"
-    out = subprocess.run(
-        [str(BIN), "simulate", f"examples/python/ddp_digits/{job}", "-w", str(ws), "--no-progress"],
-        cwd=REPO,
-        env=env_with_python(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith(("round", "final"))]
-    print(f"{job}:", *lines, sep="\n  ")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if job == "job":  # docs/rank-code.md's command and output, as shown (/tmp/ in tmp_path)
+        (step,) = docrun.console("docs/rank-code.md", "ddp-digits", tmp=tmp_path)
+        ws = tmp_path / "ws-ddp-digits"
+        rc, out = docrun.run(step, tmp_path / "out.txt", 600, env=env_with_python())
+        lines = [line for line in out.splitlines() if line.startswith(("round", "final"))]
+        print(f"{job}:", *lines, sep="\n  ")
+        assert (why := step.check(rc, out)) is None, f"{why}:\n{out[-3000:]}"
+    else:
+        ws = tmp_path / "ws"
+        argv = [str(BIN), "simulate", f"examples/python/ddp_digits/{job}", "-w", str(ws)]
+        res = subprocess.run(
+            [*argv, "--no-progress"],
+            cwd=REPO,
+            env=env_with_python(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        lines = [line for line in res.stdout.splitlines() if line.startswith(("round", "final"))]
+        print(f"{job}:", *lines, sep="\n  ")
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((ws / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert summary["final_metrics"]["accuracy"] >= 0.95, summary["final_metrics"]

@@ -10,7 +10,8 @@ import os
 import subprocess
 import time
 
-from conftest import BIN, REPO, env_with_python, pid_alive, pids_with_env
+import docrun
+from conftest import env_with_python, pid_alive, pids_with_env
 from proc_checks import owned
 
 
@@ -23,13 +24,15 @@ def _ppid(pid: int) -> int | None:
 
 
 def test_torch_digits_with_dataloader_workers_trains_and_leaves_nothing(tmp_path):
-    ws = tmp_path / "ws"
+    # docs/rank-code.md's command and output, as shown there (/tmp/ in tmp_path).
+    (step,) = docrun.console("docs/rank-code.md", "torch-digits", tmp=tmp_path)
+    ws = tmp_path / "ws-torch-digits"
     proc = subprocess.Popen(
-        [str(BIN), "simulate", "examples/python/torch_digits/job", "-w", str(ws), "--no-progress"],
-        cwd=REPO,
+        step.argv,
+        cwd=step.cwd,
         env=env_with_python(),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     # While it runs, note every process of this job (ranks and their DataLoader workers:
@@ -43,10 +46,10 @@ def test_torch_digits_with_dataloader_workers_trains_and_leaves_nothing(tmp_path
             time.sleep(0.1)
         if proc.poll() is None:
             proc.kill()
-        out, err = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=60)
     lines = [line for line in out.splitlines() if line.startswith(("round", "final"))]
     print("torch_digits:", *lines, sep="\n  ")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert (why := step.check(proc.returncode, out)) is None, f"{why}:\n{out[-3000:]}"
     summary = json.loads((ws / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert summary["final_metrics"]["accuracy"] >= 0.95, summary["final_metrics"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import docrun
 import pytest
 from conftest import REPO, TARGET, pid_alive
 
@@ -400,13 +402,21 @@ def test_the_rankexec_command_runs_jobs_without_a_checkout(clean):
 def test_the_flare_example_runs_under_nvflare_simulator_from_the_wheel(clean):
     from flare.flare_helpers import assert_no_errors, rank_pids
 
-    clean.pip_install(f"{clean.wheel}[flare]")
+    ws = clean.cwd / "ws-numpy"
+    # flare-admins.md's install: the wheel with [flare], then the site's allow-list and
+    # policy, into the simulator's workspace.
+    admins = docrun.console(
+        "docs/flare-admins.md",
+        "wheel",
+        wheel=clean.wheel,
+        paths={"/path/to/site": ws},
+        cwd=clean.cwd,
+    )
+    _run_block(clean, admins, "docs/flare-admins.md", no_deps=False)
     installed = clean.installed()
     assert {"nvflare", "numpy"} <= installed and "torch" not in installed, sorted(installed)
     job = clean.cwd / "numpy-fedavg"
     shutil.copytree(REPO / "examples" / "flare" / "numpy-fedavg", job)
-    ws = clean.cwd / "ws-numpy"
-    clean.run(clean.python, "-m", "rankexec.flare", "allow-list", str(ws))
     sim = clean.run(
         str(clean.venv / "bin" / "nvflare"),
         "simulator",
@@ -439,3 +449,164 @@ def test_the_flare_example_runs_under_nvflare_simulator_from_the_wheel(clean):
         print(f"{site}: 2 Python ranks ready in {m.group(1)} ms")
     assert rank_pids(ws) == []
     assert clean.live_processes() == []
+
+
+# --- the install commands of the guide ------------------------------------------------
+
+# `pip install` with the wheel's file (its name in full, or abbreviated `rankexec-0.1.0-...whl`)
+# or the checkout's `./python`, in README.md and docs/*.md: fenced lines and inline code.
+_PIP = re.compile(r"(?:^\s*(?:\$ )?|`)(pip install [^`#\n]+)")
+_WHEEL_ARG = re.compile(r"^rankexec-[^\[\s]*\.whl(?:\[(\w+)\])?$")
+_SOURCE_ARG = re.compile(r"^\./python(?:\[(\w+)\])?$")
+
+
+def _install_commands() -> list[tuple[str, str]]:
+    """``(where, command)`` of every guide command that installs rankexec."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for m in _PIP.finditer(line):
+                cmd = m.group(1).strip()
+                args = shlex.split(cmd)[2:]
+                if any(_WHEEL_ARG.match(a) or _SOURCE_ARG.match(a) for a in args):
+                    found.append((f"{page.relative_to(REPO)}:{n}", cmd))
+    return found
+
+
+def _run_block(
+    clean: CleanEnv, steps: list[docrun.Step], where: str, *, no_deps: bool = True
+) -> None:
+    """Runs a run-in block's steps as a user's shell would, in `clean`'s environment:
+    `python`, `pip` and the venv's tools are those of the active venv (the clean one,
+    until a `. VENV/bin/activate` step activates the block's own); `python -m venv`
+    runs as written. With `no_deps`, a `pip install` installs the wheel with `--no-deps`
+    (its extra's packages are checked against the test venv, as the test below does for
+    every install command) and checks that any other package it names is in the test
+    venv, without downloading it; else it runs as written (from pip's cache). Each
+    step's exit code and output are the page's."""
+    bindir = Path(sys.executable).parent
+    active = clean.venv / "bin"
+    env = dict(clean.env)
+    for step in steps:
+        argv = list(step.argv)
+        if argv[0] == ".":  # what `activate` does that matters here: PATH, VIRTUAL_ENV
+            active = (step.cwd / argv[1]).parent
+            assert (active / "activate").is_file(), f"{where}: no {argv[1]}"
+            env.update(PATH=f"{active}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(active.parent))
+            continue
+        tool = "python" if argv[0] == sys.executable else argv[0]
+        if Path(tool).parent == bindir:
+            tool = Path(tool).name
+        argv[0] = str(active / tool) if "/" not in tool else tool
+        if argv[1:2] == ["install"] and tool == "pip" and no_deps:
+            from importlib.metadata import PackageNotFoundError, version
+
+            from packaging.requirements import Requirement
+
+            wheels = [a for a in argv[2:] if a.startswith(str(clean.wheel))]
+            for a in argv[2:]:
+                if a in wheels or a.startswith("-"):
+                    continue
+                req = Requirement(a)
+                try:
+                    have = version(req.name)
+                except PackageNotFoundError:
+                    pytest.fail(f"{where}: {req} is not in the test venv")
+                assert req.specifier.contains(have, prereleases=True), f"{where}: {req}"
+            if not wheels:
+                print(f"{where}: $ {' '.join(step.argv)}: in the test venv, not installed")
+                continue
+            argv = [argv[0], "install", "--no-deps", *wheels]
+        proc = subprocess.run(
+            argv,
+            check=False,
+            cwd=step.cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=PIP_CAP_S if tool == "pip" else RUN_CAP_S,
+        )
+        print(f"{where}: $ {' '.join(argv)} -> {proc.returncode}")
+        err = step.check(proc.returncode, proc.stdout)
+        assert err is None, f"{where}: {err}\n{proc.stdout[-4000:]}"
+
+
+def test_the_wheel_blocks_of_the_guide_run_as_written(clean):
+    """The guide's install-from-the-wheel blocks (README, getting-started, rank-code),
+    read from the pages, each in a folder of its own where it makes its own `.venv`."""
+    for folder in ("readme", "getting-started", "rank-code"):
+        (clean.root / folder).mkdir()
+    readme = docrun.console("README.md", "wheel", wheel=clean.wheel, cwd=clean.root / "readme")
+    started = docrun.console(
+        "docs/getting-started.md",
+        "wheel",
+        wheel=clean.wheel,
+        cwd=clean.root / "getting-started",
+    )
+    rank_code = docrun.console(
+        "docs/rank-code.md", "wheel", wheel=clean.wheel, cwd=clean.root / "rank-code"
+    )
+    for where, steps in (
+        ("README.md", readme),
+        ("docs/getting-started.md", started),
+        ("docs/rank-code.md", rank_code),
+    ):
+        _run_block(clean, steps, where)
+
+
+def test_every_install_command_of_the_guide_installs_the_wheel_with_its_extra(clean):
+    """Each command as written, with the wheel's real path for its file name: pip
+    installs the wheel with the extra the command names (``--no-deps``: the packages
+    each extra and the command add are checked, not downloaded, against the test venv
+    CI runs the suites in, where they are all installed); the full file name a page
+    shows is the one scripts/wheel.sh builds; ``./python[extra]`` names an extra that
+    python/pyproject.toml declares. Not run: the source install itself (a second
+    compile of the extension; ``maturin develop`` in scripts/test.sh builds the same)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+
+    commands = _install_commands()
+    assert len(commands) >= 5, commands
+    with zipfile.ZipFile(clean.wheel) as z:
+        metadata = z.read(_dist_info(z) + "METADATA").decode()
+    requires = [
+        Requirement(r) for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
+    ]
+    declared = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def satisfied(req: Requirement, where: str) -> None:
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            pytest.fail(f"{where}: {req} is not in the test venv")
+        assert req.specifier.contains(have, prereleases=True), f"{where}: {req}, have {have}"
+
+    done: set[str | None] = set()
+    for where, cmd in commands:
+        args = shlex.split(cmd)[2:]
+        for a in args:
+            if m := _WHEEL_ARG.match(a):
+                name = a.split("[")[0]
+                if "..." not in name:
+                    assert name == clean.wheel.name, f"{where}: {name} is not {clean.wheel.name}"
+                extra = m.group(1)
+                assert extra is None or extra in declared, f"{where}: no extra [{extra}]"
+                if extra not in done:
+                    spec = str(clean.wheel) + (f"[{extra}]" if extra else "")
+                    clean.pip_install("--no-deps", spec)
+                    done.add(extra)
+                for req in requires:
+                    if extra and req.marker is not None and req.marker.evaluate({"extra": extra}):
+                        satisfied(req, where)
+            elif m := _SOURCE_ARG.match(a):
+                extra = m.group(1)
+                assert extra is None or extra in declared, f"{where}: no extra [{extra}]"
+            elif not a.startswith("-"):
+                satisfied(Requirement(a), where)
+    print("install commands:", len(commands), "extras installed:", sorted(map(str, done)))
+    assert {"flare", "flower", "torch"} <= done, done
+    assert "rankexec" in clean.installed()

@@ -8,9 +8,10 @@ is an optional server component that writes the ranks' errors into the server's 
 use it for every client script (``rankexec.flare.recipe``).
 
 A site that runs jobs without custom code must allow the classes:
-``python -m rankexec.flare allow-list WORKSPACE`` adds ``rankexec.flare.MultiProcessExecutor``
-and ``rankexec.flare.RankErrorLogger`` to ``WORKSPACE/local/resources.json``'s
-``class_allow_list`` (keeping FLARE's defaults). What such jobs may then make the
+``python -m rankexec.flare allow-list WORKSPACE`` adds ``rankexec.flare.MultiProcessExecutor``,
+``rankexec.flare.ScriptExecutor`` and ``rankexec.flare.RankErrorLogger`` to
+``WORKSPACE/local/resources.json``'s ``class_allow_list`` (keeping FLARE's defaults), and
+with ``--script PATH`` allows that Client API script in the site policy. What such jobs may then make the
 executor run is the site's policy, ``WORKSPACE/local/rankexec.json``
 (``rankexec.flare.policy``; ``python -m rankexec.flare policy WORKSPACE`` writes one).
 
@@ -69,3 +70,9 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The module's names with the lazy ones (``dir()``, tab completion and the API
+    reference's inspection see them)."""
+    return sorted(set(globals()) | set(__all__))

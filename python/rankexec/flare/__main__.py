@@ -1,16 +1,23 @@
 """A FLARE site's two set-up steps for rankexec.
 
-``python -m rankexec.flare allow-list WORKSPACE [--dry-run]``: FLARE 2.9 builds, for
-jobs that ship no custom code, only the classes in ``class_allow_list`` of the site's
-resources file (FLARE's 88 defaults when the key is absent). This adds the two classes
-this package documents, ``rankexec.flare.MultiProcessExecutor`` and
-``rankexec.flare.RankErrorLogger`` (not the whole ``rankexec.`` prefix, which an
-earlier version added and this removes), to the file FLARE actually reads: it starts
+``python -m rankexec.flare allow-list WORKSPACE [--script PATH]... [--dry-run]``: FLARE
+2.9 builds, for jobs that ship no custom code, only the classes in ``class_allow_list``
+of the site's resources file (FLARE's 88 defaults when the key is absent). This adds the
+three classes this package documents, ``rankexec.flare.MultiProcessExecutor``,
+``rankexec.flare.ScriptExecutor`` and ``rankexec.flare.RankErrorLogger`` (not the whole
+``rankexec.`` prefix, which an earlier version added and this removes), to the file
+FLARE actually reads: it starts
 from ``local/resources.json`` if present, else from a provisioned kit's
 ``local/resources.json.default``, keeps every other key (``resource_manager``,
 ``process_launcher``, ...), writes ``local/resources.json`` atomically with a backup of
 the file it replaces, and prints the change as a diff (``--dry-run``: prints it, writes
 nothing). A file that does not parse is refused, untouched (``rankexec.flare.site``).
+Each ``--script PATH`` (a Client API script installed on the site; a folder allows any
+``.py`` under it) is also added, as its absolute path with no arguments, to the
+``scripts`` key of the site policy ``WORKSPACE/local/rankexec.json`` (created with the
+defaults when absent, every other key kept), since the class on FLARE's allow-list
+allows no script by itself. A script that does not exist, or a policy file that does
+not parse, is refused before anything is written.
 
 ``python -m rankexec.flare policy WORKSPACE [--component C]... [--worker PROGRAM]...
 [--launcher L]... [--env NAME]... [--script PATH]... [--byoc-jobs trusted|restricted]
@@ -37,7 +44,11 @@ from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
 from rankexec.flare import policy, resources, site
 
-CLASSES = ("rankexec.flare.MultiProcessExecutor", "rankexec.flare.RankErrorLogger")
+CLASSES = (
+    "rankexec.flare.MultiProcessExecutor",
+    "rankexec.flare.ScriptExecutor",
+    "rankexec.flare.RankErrorLogger",
+)
 OLD_PREFIX = "rankexec."
 
 
@@ -65,6 +76,44 @@ def allow(workspace: str, dry_run: bool = False) -> site.ResourcesEdit:
     return site.edit_resources(workspace, _add_classes, dry_run=dry_run)
 
 
+def _script_entry(path: str) -> str:
+    """The policy entry for a script the admin names: its absolute path, a folder with
+    a trailing ``/``. Raises ``FileNotFoundError`` when it does not exist."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return full.rstrip(os.sep) + "/"
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"--script {path}: no such file or folder on this site")
+    return full
+
+
+def allow_scripts(workspace: str, scripts: list[str], dry_run: bool = False) -> str:
+    """Adds ``scripts`` (each allowed with no arguments) to the ``scripts`` key of the
+    site policy ``WORKSPACE/local/rankexec.json``, keeping its other keys (the defaults
+    when there is no file). Returns what changed, for a person. Raises
+    ``FileNotFoundError`` for a missing script and ``policy.PolicyError`` for a policy
+    file that does not parse; nothing is written then."""
+    path = os.path.join(workspace, "local", policy.FILE_NAME)
+    entries = [_script_entry(s) for s in scripts]
+    policy.load(path)  # an existing file must parse: refused untouched otherwise
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    else:
+        doc = policy.starter()
+    have = doc.setdefault("scripts", [])
+    added = [e for e in dict.fromkeys(entries) if e not in have]
+    if not added:
+        return f"{path}: no change (scripts already allowed: {json.dumps(entries)})\n"
+    have.extend(added)
+    if dry_run:
+        return f"dry run: {path} not written (would allow scripts {json.dumps(added)})\n"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _write_json(path, doc)
+    policy.load(path)  # what was written parses
+    return f"wrote {path}: scripts {json.dumps(added)} allowed (with no arguments)\n"
+
+
 def write_policy(workspace: str, force: bool = False, **keys) -> str:
     """Writes ``WORKSPACE/local/rankexec.json``; returns its path."""
     local = os.path.join(workspace, "local")
@@ -81,18 +130,35 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rankexec.flare")
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("allow-list", help="add rankexec's classes to class_allow_list")
-    a.add_argument("workspace")
+    a.add_argument("workspace", help="the site's workspace (its startup kit, or a folder)")
     a.add_argument("--dry-run", action="store_true", help="print the change, write nothing")
+    a.add_argument(
+        "--script",
+        action="append",
+        default=[],
+        help="also allow this Client API script (no arguments) in local/rankexec.json",
+    )
     w = sub.add_parser("policy", help="write the site policy WORKSPACE/local/rankexec.json")
-    w.add_argument("workspace")
+    w.add_argument("workspace", help="the site's workspace (its startup kit, or a folder)")
     w.add_argument("--component", action="append", default=[], help="allowed rank component")
     w.add_argument("--worker", action="append", default=[], help="allowed rank program")
-    w.add_argument("--launcher", action="append", default=[], choices=["builtin", *policy._KINDS])
+    w.add_argument(
+        "--launcher",
+        action="append",
+        default=[],
+        choices=["builtin", *policy._KINDS],
+        help="allowed launcher kind (no extra arguments)",
+    )
     w.add_argument("--env", action="append", default=[], help="variable a job may set")
     w.add_argument(
         "--script", action="append", default=[], help="allowed Client API script (no arguments)"
     )
-    w.add_argument("--byoc-jobs", choices=["trusted", "restricted"], default="trusted")
+    w.add_argument(
+        "--byoc-jobs",
+        choices=["trusted", "restricted"],
+        default="trusted",
+        help="whether jobs with custom code are held to the policy (default trusted)",
+    )
     w.add_argument("--force", action="store_true", help="replace an existing file")
     resources.add_cli(sub)
     args = p.parse_args(argv)
@@ -100,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         return resources.cli(args)
     if args.cmd == "allow-list":
         try:
+            if args.script:  # refuse a missing script or a bad policy before any write
+                allow_scripts(args.workspace, args.script, dry_run=True)
             edit = allow(args.workspace, dry_run=args.dry_run)
-        except site.SiteFileError as e:
+            scripts = (
+                allow_scripts(args.workspace, args.script, args.dry_run) if args.script else ""
+            )
+        except (site.SiteFileError, policy.PolicyError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        sys.stdout.write(edit.describe())
+        sys.stdout.write(edit.describe() + scripts)
         return 0
     try:
         path = write_policy(

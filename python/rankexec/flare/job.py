@@ -51,6 +51,23 @@ class ScriptRunner:
         all_ranks_receive: bool = False,
         **group_args: Any,
     ) -> None:
+        """
+        Args:
+            script: the Client API script on this machine; it is shipped in the job's
+                ``custom/`` folder and run there as ``custom/<its name>``.
+            script_args: its arguments: a string (split like a shell) or a list.
+            num_of_processes: ranks in each site's group.
+            framework: FLARE's ``FrameworkType`` of the script (``PYTORCH``: torch
+                tensors, ``NUMPY``: arrays, ``RAW``); it sets ``ScriptExecutor``'s
+                ``params_exchange_format``.
+            server_expected_format: FLARE's ``ExchangeFormat`` of the server's side.
+            params_transfer_type: FLARE's ``TransferType`` (``DIFF`` sends the
+                difference to what was received).
+            all_ranks_receive: as ``ScriptExecutor``'s: every rank receives the model.
+            group_args: any other ``ScriptExecutor`` argument (``launcher``,
+                ``deadlines``, ``gpu``, ``resources``, ``env``, ``restart``,
+                ``relay_events``, ``abort_poll_interval``, the task names).
+        """
         fmt = _FORMAT_OF.get(FrameworkType(framework))
         if fmt is None:
             raise ValueError(f"framework {framework} is not supported")

@@ -142,7 +142,20 @@ def use_rank_groups(
     groups of ``num_of_processes`` ranks; ``group_args`` are ``ScriptExecutor``'s
     (``launcher``, ``deadlines``, ``gpu``, ``resources``, ``env``, ``restart``,
     ``all_ranks_receive``, ``relay_events``, ``abort_poll_interval``), ``sites`` per-site
-    overrides of them. Returns the recipe. See the module docs."""
+    overrides of them. Returns the recipe. See the module docs.
+
+    Args:
+        recipe: a FLARE 2.9 ``Recipe`` whose clients run a Client API script
+            (``ClientAPIExecutor``); its script, arguments and exchange formats are
+            kept.
+        num_of_processes: ranks in each site's group.
+        sites: per-site overrides, ``{"site-1": {"num_of_processes": 4, "gpu": ...}}``:
+            for that site, these keys replace the ones given here.
+        group_args: ``ScriptExecutor``'s other arguments for every site (``launcher``,
+            ``deadlines``, ``gpu``, ``resources``, ``env``, ``restart``,
+            ``all_ranks_receive``, ``relay_events``, ``abort_poll_interval``); the
+            script's own come from the recipe and are refused here.
+    """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"use_rank_groups takes a FLARE Recipe, not {type(recipe).__name__}")
     if getattr(recipe, _ATTR, None) is not None:

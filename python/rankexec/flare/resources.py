@@ -175,6 +175,9 @@ class GpuResourceManager(ResourceManagerSpec, FLComponent):
     # -- FLARE's ResourceManagerSpec ---------------------------------------------------
 
     def check_resources(self, resource_requirement: dict, fl_ctx: FLContext) -> tuple[bool, str]:
+        """FLARE's scheduler asks whether the job fits: reserves its GPUs in the host's
+        ledger and returns ``(True, token)``, or ``(False, why)`` (the reason FLARE records
+        in the job's ``schedule_history``)."""
         job_id = str(fl_ctx.get_prop(FLContextKey.CURRENT_JOB_ID, "") or "")
         try:
             num, mem = self._request(resource_requirement)
@@ -207,9 +210,13 @@ class GpuResourceManager(ResourceManagerSpec, FLComponent):
         return True, token
 
     def cancel_resources(self, resource_requirement: dict, token: str, fl_ctx: FLContext) -> None:
+        """Releases a reservation the job will not use."""
         self._release(token, "cancelled")
 
     def allocate_resources(self, resource_requirement: dict, token: str, fl_ctx: FLContext) -> dict:
+        """Hands the reservation to the starting job: ``{"gpus", "grant", ...}`` for
+        ``GpuResourceConsumer``. Raises ``ReservationUnknown`` for a token with no live
+        reservation."""
         with self._lock:
             held = self._held.get(token)
             if held is not None:
@@ -229,9 +236,11 @@ class GpuResourceManager(ResourceManagerSpec, FLComponent):
         return {"gpus": list(r.gpus), "grant": r.id, "mem_per_gpu_in_GiB": held.mem_per_gpu}
 
     def free_resources(self, resources: dict, token: str, fl_ctx: FLContext) -> None:
+        """Releases the job's GPUs once its process ended, however it ended."""
         self._release(token, "freed")
 
     def report_resources(self, fl_ctx: FLContext) -> dict:
+        """The site's GPUs, the reservations held here and the host's ledger."""
         report: dict[str, Any] = {
             "inventory": json.loads(_rankexec._gpu_inventory(self.visible)),
             "held_here": self.held(),
@@ -243,6 +252,7 @@ class GpuResourceManager(ResourceManagerSpec, FLComponent):
         return report
 
     def handle_event(self, event_type: str, fl_ctx: FLContext) -> None:
+        """Releases everything held here when the client shuts down (``SYSTEM_END``)."""
         if event_type == EventType.SYSTEM_END:
             self.close()
 
@@ -345,6 +355,7 @@ class GpuResourceConsumer(ResourceConsumerSpec):
         self.site_visible = os.environ.get(VISIBLE)
 
     def consume(self, resources: dict) -> None:
+        """Sets the next job process's GPUs from what ``allocate_resources`` returned."""
         gpus = resources.get("gpus") or []
         grant = resources.get("grant")
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -442,7 +453,7 @@ def add_cli(sub: Any) -> None:
         "gpus",
         help="make rankexec the site's GPU authority (resource_manager, resource_consumer)",
     )
-    g.add_argument("workspace")
+    g.add_argument("workspace", help="the site's workspace (its startup kit, or a folder)")
     g.add_argument(
         "--inventory",
         help="declare the site's GPUs instead of asking NVML, e.g. 2x16GiB or 80GiB,2x24GiB",

@@ -72,6 +72,7 @@ class ResourcesEdit:
 
     @property
     def changed(self) -> bool:
+        """Whether the edit changes the file (a non-empty diff)."""
         return bool(self.diff)
 
     def describe(self) -> str:

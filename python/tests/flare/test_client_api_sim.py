@@ -10,6 +10,7 @@ import shutil
 import signal
 import time
 
+import docrun
 import numpy as np
 
 from .flare_helpers import (
@@ -20,7 +21,6 @@ from .flare_helpers import (
     descendants,
     parent_of,
     rank_pids,
-    run_sim,
     site_log,
     wait_until,
 )
@@ -107,11 +107,20 @@ def test_exported_flare_job_runs_with_only_the_executor_changed(tmp_path, monkey
         )
         cfg_file.write_text(json.dumps(cfg, indent=2))
 
-    ws = tmp_path / "ws"
-    allow_rankexec(ws)
+    # docs/flare-jobs.md's commands, as shown there, on this copy (/tmp/ in tmp_path).
+    allow, simulate = docrun.console(
+        "docs/flare-jobs.md",
+        "client-api",
+        tmp=tmp_path,
+        paths={"examples/flare/client-api/jobs/rankexec": job},
+    )
+    rc, out = docrun.run(allow, tmp_path / "allow.out", 60)
+    assert (why := allow.check(rc, out)) is None, f"{why}:\n{out}"
+    ws = tmp_path / "ws-ca"
     t0 = time.monotonic()
-    sim = run_sim(job, ws, cap=400)
+    rc, sim_out = docrun.run(simulate, tmp_path / "sim.out", 400)
     print(f"simulator: {time.monotonic() - t0:.1f} s")
+    assert (why := simulate.check(rc, sim_out)) is None, f"{why}:\n{sim_out[-4000:]}"
     assert_no_errors(ws)
     saved = torch.load(
         ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt", weights_only=False
@@ -135,7 +144,7 @@ def test_exported_flare_job_runs_with_only_the_executor_changed(tmp_path, monkey
     print(f"global accuracy: round 0 {firsts}, final model {final:.4f}")
     assert final >= 0.8 and final > max(firsts) + 0.5
     assert rank_pids(ws) == []
-    assert "Traceback" not in sim.output()
+    assert "Traceback" not in sim_out
 
 
 def test_sigkill_of_the_flare_client_leaves_no_script_rank(tmp_path, sim_runner):

@@ -4,16 +4,15 @@ Python ranks (`python -m rankexec.worker`)."""
 from __future__ import annotations
 
 import re
-import shutil
 
+import docrun
 import numpy as np
 
 from .flare_helpers import (
     REPO,
-    allow_rankexec,
+    SIM_CAP_S,
     assert_no_errors,
     rank_pids,
-    run_sim,
     server_model,
     site_log,
 )
@@ -22,12 +21,15 @@ INITIAL = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=np.float32)
 
 
 def test_numpy_fedavg_job_ends_with_the_model_its_ranks_imply(tmp_path):
-    job = tmp_path / "numpy-fedavg"
-    shutil.copytree(REPO / "examples" / "flare" / "numpy-fedavg", job)
-    ws = tmp_path / "ws"
-    allow_rankexec(ws)
-    run_sim(job, ws)
+    # docs/flare-jobs.md's first commands, as shown there (/tmp/ in tmp_path): a job
+    # with custom code runs on a workspace where `allow-list` was never run.
+    sim, show = docrun.console("docs/flare-jobs.md", "numpy-fedavg", tmp=tmp_path)
+    rc, out = docrun.run(sim, tmp_path / "sim.out", SIM_CAP_S)
+    assert (why := sim.check(rc, out)) is None, f"{why}:\n{out[-4000:]}"
+    ws = tmp_path / "ws-numpy"
     assert_no_errors(ws)
+    rc, out = docrun.run(show, tmp_path / "show.out", 60)
+    assert (why := show.check(rc, out)) is None, f"{why}:\n{out}"
     # 3 rounds; every rank adds delta 1.0; FedAvg of equal client models is that model.
     model = server_model(ws)
     print("final model:", model.tolist())
@@ -44,11 +46,10 @@ def test_ddp_digits_job_reaches_its_accuracy(tmp_path):
 
     import torch
 
-    job = tmp_path / "ddp-digits"
-    shutil.copytree(REPO / "examples" / "flare" / "ddp-digits", job)
-    ws = tmp_path / "ws"
-    allow_rankexec(ws)
-    run_sim(job, ws, cap=400)
+    (sim,) = docrun.console("docs/flare-jobs.md", "ddp-digits", tmp=tmp_path)
+    rc, out = docrun.run(sim, tmp_path / "sim.out", 400)
+    assert (why := sim.check(rc, out)) is None, f"{why}:\n{out[-4000:]}"
+    ws = tmp_path / "ws-ddp"
     assert_no_errors(ws)
     model_file = ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt"
     saved = torch.load(model_file, weights_only=False)
@@ -83,25 +84,22 @@ def test_torch_digits_job_from_flares_job_api_trains_with_tensors_and_leaves_not
     own Job API, FLARE's PyTorch exchange format (torch tensors both ways), a DataLoader
     with persistent workers in every rank, setup in `__init__`, a `state_dict()` back."""
     import json
+    import os
+    import signal
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     import torch
 
-    from .flare_helpers import Sim
+    from .flare_helpers import descendants
 
-    out = tmp_path / "jobs"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples" / "flare" / "torch-digits" / "make_job.py"),
-            str(out),
-        ],
-        check=True,
-        timeout=120,
-    )
-    job = out / "torch-digits"
+    # docs/flare-jobs.md's commands, as shown there (/tmp/ in tmp_path).
+    make, simulate = docrun.console("docs/flare-jobs.md", "torch-digits", tmp=tmp_path)
+    rc, out = docrun.run(make, tmp_path / "make.out", 120)
+    assert (why := make.check(rc, out)) is None, f"{why}:\n{out}"
+    job = tmp_path / "jobs" / "torch-digits"
     client = json.loads((job / "app_site-1" / "config" / "config_fed_client.json").read_text())
     executor = client["executors"][0]["executor"]
     print("exported executor:", json.dumps(executor))
@@ -110,16 +108,32 @@ def test_torch_digits_job_from_flares_job_api_trains_with_tensors_and_leaves_not
     assert executor["args"]["server_expected_format"] == "pytorch"
     assert not list(job.rglob("rankexec")), "no copy of the installed package in custom/"
 
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    sim = Sim(job, ws)
+    ws = tmp_path / "ws-torch"
+    log = (tmp_path / "sim.out").open("w")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    sim = subprocess.Popen(
+        simulate.argv,
+        cwd=simulate.cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     seen: dict[int, int | None] = {}  # our processes while it ran -> their parent
     deadline = time.monotonic() + 500
-    while sim.proc.poll() is None and time.monotonic() < deadline:
+    while sim.poll() is None and time.monotonic() < deadline:
         for pid in rank_pids(ws):
             seen.setdefault(pid, _ppid(pid))
         time.sleep(0.1)
-    assert sim.wait(60) == 0, sim.output()[-4000:]
+    if sim.poll() is None:
+        for pid in [*descendants(sim.pid), sim.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    log.close()
+    out = (tmp_path / "sim.out").read_text(errors="replace")
+    assert (why := simulate.check(sim.wait(60), out)) is None, f"{why}:\n{out[-4000:]}"
     assert_no_errors(ws)
 
     saved = torch.load(

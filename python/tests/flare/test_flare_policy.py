@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import docrun
 import numpy as np
 
 from .flare_helpers import (
@@ -143,6 +144,11 @@ def test_a_client_api_script_outside_the_policy_is_refused_at_start_run(tmp_path
         run_sim(job, ws, check=False)
         text = "\n".join(error_logs(ws).values())
         assert f"rank group refused: {says}" in text, (what, text[-3000:])
+        # The line docs/flare-script-policy.md shows, its site's folder being `ws`.
+        shown = docrun.log_lines(
+            "docs/flare-script-policy.md", "refused", tmp=tmp_path, paths={"/opt/flare": ws}
+        )
+        assert not docrun.missing_lines(shown, text), (shown, text[-3000:])
         assert str(ws / "site-1" / "local" / "rankexec.json") in text
         assert "under `scripts` there" in text
         print(

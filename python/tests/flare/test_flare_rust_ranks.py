@@ -14,6 +14,7 @@ import re
 import signal
 import time
 
+import docrun
 import numpy as np
 
 from .flare_helpers import (
@@ -108,6 +109,10 @@ def test_a_raising_rank_is_in_the_client_and_server_logs(tmp_path, rust_worker):
     assert "EXECUTION_EXCEPTION" in server, server
     print("client:", next(s for s in client.splitlines() if "bad batch" in s)[:300])
     print("server:", next(s for s in server.splitlines() if "bad batch" in s)[:300])
+    # The lines docs/flare-jobs.md shows, in the run's logs.
+    logs = "\n".join(p.read_text(errors="replace") for p in ws.rglob("*log.txt"))
+    shown = docrun.log_lines("docs/flare-jobs.md", "rank-fails")
+    assert not docrun.missing_lines(shown, logs), (docrun.missing_lines(shown, logs), logs)
     assert rank_pids(ws) == []
 
 
@@ -186,6 +191,8 @@ def test_workflow_end_aborts_a_sleeping_rank_group(tmp_path):
     for line in log.splitlines():
         if "aborted in every rank" in line or "rank group stopped" in line:
             print(line[:400])
+    shown = docrun.log_lines("docs/flare-jobs.md", "task-aborted")  # as the page shows
+    assert not docrun.missing_lines(shown, log), (docrun.missing_lines(shown, log), log)
     for r in (0, 1):
         reason = (marks / f"aborted-{r}").read_text()
         print(f"rank {r} of site-1: abort signal fired ({reason})")

@@ -20,6 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import docrun
 import pytest
 
 from .flare_helpers import REPO, assert_no_errors, descendants, rank_pids, site_log
@@ -69,13 +70,12 @@ def _run(argv: list[str], cwd: Path, log: Path, cap: float, **env: str) -> int:
 def test_fsdp_job_trains_from_the_one_mapping(tmp_path, tiny_gpt):
     import torch
 
-    size = 2 << 20
-    argv = ["job.py", "--size", str(size), "--clients", "2", "--ranks", "2", "--cpu"]
-    argv += ["--rounds", str(ROUNDS), "--steps", str(STEPS), "--workspace", str(tmp_path / "sim")]
-    log = tmp_path / "job.out"
-    rc = _run(argv, EXAMPLE, log, cap=240)
-    assert rc == 0, log.read_text()[-4000:]
-    ws = tmp_path / "sim" / "fsdp"
+    size = 2 << 20  # the page's --size 2MiB; job.py's default --steps is STEPS
+    # docs/sharded-training.md's command, as shown there (/tmp/ in tmp_path).
+    (job,) = docrun.console("docs/sharded-training.md", "fsdp-job", tmp=tmp_path)
+    rc, out = docrun.run(job, tmp_path / "job.out", 240)
+    assert (why := job.check(rc, out)) is None, f"{why}:\n{out[-4000:]}"
+    ws = tmp_path / "nvflare" / "fsdp" / "fsdp"
     assert_no_errors(ws)
 
     cfg = tiny_gpt.config_for(size)

@@ -18,9 +18,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import docrun
 import pytest
 
-from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, run_capped, site_log
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, site_log
 
 pytest.importorskip("pytorch_lightning")
 pytest.importorskip("torchvision")
@@ -35,20 +36,16 @@ def test_flare_s_lightning_multi_gpu_example_completes_its_rounds_as_rank_groups
     shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["CIFAR10_ROOT"] = str(tmp_path / "data")
-    env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "ws")
-    python = sys.executable
-    run_capped(
-        [python, "prepare_data.py", "--root", env["CIFAR10_ROOT"]], app, env, tmp_path / "p", 60
-    )
-    output = run_capped(
-        [python, "job.py", "--n_clients", "2", "--num_rounds", "2"],
-        app,
-        env,
-        tmp_path / "job.out",
-        2 * SIM_CAP_S,
-    )
-    ws = tmp_path / "ws" / "lightning_ddp"
+    # docs/flare-jobs.md's commands, as shown there, in this copy, with /tmp/ in tmp_path
+    # (the data and the simulator's workspace too: their defaults are under /tmp/nvflare).
+    env["CIFAR10_ROOT"] = str(tmp_path / "nvflare" / "data")
+    env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "nvflare" / "simulation")
+    data, job = docrun.console("docs/flare-jobs.md", "lightning-ddp", tmp=tmp_path, cwd=app)
+    rc, out = docrun.run(data, tmp_path / "p", 60, env=env)
+    assert (why := data.check(rc, out)) is None, f"{why}:\n{out}"
+    rc, output = docrun.run(job, tmp_path / "job.out", 2 * SIM_CAP_S, env=env)
+    assert (why := job.check(rc, output)) is None, f"{why}:\n{output[-4000:]}"
+    ws = tmp_path / "nvflare" / "simulation" / "lightning_ddp"
     assert_no_errors(ws)
     assert "Traceback" not in output, output[-4000:]
     server = (ws / "server" / "log.txt").read_text()

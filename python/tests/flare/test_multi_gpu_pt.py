@@ -18,9 +18,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import docrun
 import pytest
 
-from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, run_capped, site_log
+from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, site_log
 
 pytest.importorskip("torchvision")
 
@@ -33,15 +34,22 @@ def test_flare_s_pt_ddp_example_completes_its_rounds_as_rank_groups(tmp_path):
     shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["CIFAR10_ROOT"] = str(tmp_path / "data")
-    env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "ws")
-    python = sys.executable
-    data = [python, str(PREPARE), "--root", env["CIFAR10_ROOT"], "--train", "400", "--test", "80"]
-    run_capped(data, app, env, tmp_path / "p", 60)
-    output = run_capped(
-        [python, "job.py", "--num_rounds", "2"], app, env, tmp_path / "job.out", 2 * SIM_CAP_S
+    # docs/flare-jobs.md's commands, as shown there, in this copy, with /tmp/ in tmp_path
+    # (the data and the simulator's workspace too: their defaults are under /tmp/nvflare).
+    env["CIFAR10_ROOT"] = str(tmp_path / "nvflare" / "data")
+    env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(tmp_path / "nvflare" / "simulation")
+    data, job = docrun.console(
+        "docs/flare-jobs.md",
+        "multi-gpu-pt",
+        tmp=tmp_path,
+        paths={"../lightning-ddp/prepare_data.py": PREPARE},
+        cwd=app,
     )
-    ws = tmp_path / "ws" / "pt_ddp"
+    rc, out = docrun.run(data, tmp_path / "p", 60, env=env)
+    assert (why := data.check(rc, out)) is None, f"{why}:\n{out}"
+    rc, output = docrun.run(job, tmp_path / "job.out", 2 * SIM_CAP_S, env=env)
+    assert (why := job.check(rc, output)) is None, f"{why}:\n{output[-4000:]}"
+    ws = tmp_path / "nvflare" / "simulation" / "pt_ddp"
     assert_no_errors(ws)
     assert "Traceback" not in output, output[-4000:]
     server = (ws / "server" / "log.txt").read_text()

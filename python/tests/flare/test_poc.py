@@ -3,9 +3,11 @@ certificates, `resources.json.default`, its own resource manager and job launche
 `nvflare poc start` (server and two clients as separate processes), jobs submitted,
 aborted and watched through FLARE's admin API (`nvflare.fuel.flare_api`).
 
-The site steps are the README's: `python -m rankexec.flare allow-list` on the server and
-both clients, and `python -m rankexec.flare policy` that allows the one rank component
-installed on the sites. Then, on the same deployment, in order:
+The site steps are the guide's own script, `examples/flare/poc/site-steps.sh`
+(docs/flare-admins.md includes it): `nvflare poc prepare`, `python -m rankexec.flare
+allow-list` (a dry run, then written) on the server and both clients, `python -m
+rankexec.flare policy` that allows the one rank component installed on the sites, and
+`nvflare poc start`. Then, on the same deployment, in order:
 
 - a job of FLARE's own (NPTrainer, no rankexec) runs: the site steps broke nothing;
 - a SIGKILL of a client's job process mid-round: its ranks are gone, and the client runs
@@ -36,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from .flare_helpers import REPO, rank_pids, wait_until
-from .poc import Poc, numpy_job_without_custom_code
+from .poc import START_CAP_S, Poc, numpy_job_without_custom_code
 
 JOB_CAP_S = float(os.environ.get("RANKEXEC_POC_JOB_CAP", "240"))
 CLIENT_API = REPO / "examples" / "flare" / "client-api" / "jobs" / "rankexec"
@@ -155,20 +157,53 @@ def assert_completed(poc: Poc, job_id: str, meta: dict) -> None:
 def poc(tmp_path_factory):
     root = tmp_path_factory.mktemp("poc")
     d = Poc(root)
-    d.prepare()
     # The site's own rank code, installed by the site (not shipped by jobs).
     code = root / "site-code"
     code.mkdir()
     shutil.copy(REPO / "examples/flare/numpy-fedavg/app/custom/np_delta.py", code)
     d.component = code / "np_delta.py"
-    for site in ("server", *d.sites):
-        r = d.site_step("allow-list", str(d.site(site)))
-        assert r.returncode == 0, r.stderr
-        print(r.stdout)
-    for site in d.sites:
-        r = d.site_step("policy", str(d.site(site)), "--component", f"{d.component}:AddDelta")
-        assert r.returncode == 0, r.stderr
-    d.start()
+    # docs/flare-admins.md's walk-through, the page's script itself, with this test's
+    # kit (free ports), sites and rank code: prepare, allow-list (dry run, then
+    # written) on every site, the clients' policy, `nvflare poc start`.
+    env = dict(
+        d.env,
+        KIT=str(d.prod),
+        PREPARE_ARGS=f"-i {d.yml} --force",
+        SITES=" ".join(d.sites),
+        COMPONENT=f"{d.component}:AddDelta",
+        START_ARGS=f"--timeout {int(START_CAP_S)}",
+    )
+    site_steps = REPO / "examples" / "flare" / "poc" / "site-steps.sh"
+    out = root / "site-steps.out"
+    try:  # whatever fails here, the deployment the script may have started is stopped
+        with out.open("w") as f:
+            steps = subprocess.Popen(
+                ["bash", str(site_steps)],
+                cwd=root,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                rc = steps.wait(timeout=START_CAP_S + 180)
+            except subprocess.TimeoutExpired:
+                os.killpg(steps.pid, signal.SIGKILL)  # its own session: the script, its children
+                steps.wait(timeout=30)
+                pytest.fail(f"{site_steps} ran past its deadline:\n{out.read_text()[-4000:]}")
+        text = out.read_text(errors="replace")
+        print(text[-6000:])
+        assert rc == 0, f"{site_steps} exited {rc}:\n{text[-4000:]}"
+        assert (d.site("site-1") / "local" / "resources.json.default").exists(), text[-4000:]
+        assert text.count("wrote ") >= 1 + len(d.sites), text[-4000:]  # a resources.json a site
+        for site in d.sites:
+            assert (d.site(site) / "local" / "rankexec.json").exists(), site
+        ok = wait_until(lambda: d._clients_up(d.session()), START_CAP_S, step=0.5)
+        assert ok, f"clients did not connect: {d.session().get_system_info()}"
+    except BaseException:
+        d.stop()
+        raise
     yield d
     left = d.stop()
     assert not left, f"nvflare poc stop left these processes behind: {left}"

@@ -5,9 +5,10 @@ them (`hospital-a`, `hospital-b`) and a project admin (`admin@acme.com`), each s
 from its own startup kit (`startup/start.sh`, which keeps `sub_start.sh` restarting its
 process until an admin shuts it down), with the kits' own certificates (mutual TLS).
 
-The site steps are the guide's: `python -m rankexec.flare allow-list` on the server's
-and both clients' kits, `python -m rankexec.flare policy` on both clients, allowing the
-one rank component the sites install. Then, through FLARE's admin API
+The steps are the guide's own script, `examples/flare/production/site-steps.sh`
+(docs/flare-production.md includes it): `nvflare provision`, `python -m rankexec.flare
+allow-list` on the server's and both clients' kits, `python -m rankexec.flare policy` on
+both clients, allowing the one rank component the sites install, each kit's `start.sh`. Then, through FLARE's admin API
 (`nvflare.fuel.flare_api` with the admin's kit), on one deployment shared by the module:
 
 - the Client API example (`examples/flare/client-api/jobs/rankexec`: `ScriptExecutor`,
@@ -75,13 +76,12 @@ def _project_yml(fed_port: int, admin_port: int) -> str:
 
 class Provisioned(Poc):
     """A provisioned deployment under `root`: Poc's free ports, own HOME, admin API
-    helpers and leftover check, with `nvflare provision`, the kits' `start.sh` and an
-    admin `shutdown all` in place of `nvflare poc prepare/start/stop`."""
+    helpers and leftover check, with an admin `shutdown all` in place of `nvflare poc
+    stop`; the fixture provisions and starts it with the page's script."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root, clients=len(SITES))
         self.yml.write_text(_project_yml(self.fed_port, self.admin_port))
-        self.starters: list[subprocess.Popen] = []
 
     @property
     def prod(self) -> Path:
@@ -94,35 +94,6 @@ class Provisioned(Poc):
     @property
     def admin_kit(self) -> Path:
         return self.prod / ADMIN
-
-    def prepare(self) -> None:
-        r = self.nvflare("provision", "-p", str(self.yml), "-w", str(self.ws), "--force")
-        assert r.returncode == 0, f"nvflare provision: {r.stdout}\n{r.stderr}"
-        for kit in (SERVER, *SITES):
-            assert (self.site(kit) / "startup" / "start.sh").exists(), r.stdout
-
-    def start(self) -> None:
-        for kit in (SERVER, *SITES):
-            out = open(self.root / f"{kit}.start.out", "w")  # noqa: SIM115
-            # start.sh puts sub_start.sh in the background and returns; a session of
-            # its own keeps the deployment apart from pytest's terminal.
-            p = subprocess.Popen(
-                ["bash", str(self.site(kit) / "startup" / "start.sh")],
-                cwd=self.site(kit),
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            out.close()
-            self.starters.append(p)
-        for kit, p in zip((SERVER, *SITES), self.starters, strict=True):
-            rc = p.wait(timeout=60)
-            assert rc == 0, (self.root / f"{kit}.start.out").read_text(errors="replace")
-        s = self.session()
-        ok = wait_until(lambda: self._clients_up(s), START_CAP_S, step=0.5)
-        assert ok, f"clients did not connect: {s.get_system_info()}"
 
     def session(self) -> Any:
         if self._session is None:
@@ -238,23 +209,54 @@ def assert_completed(d: Provisioned, job_id: str, meta: dict) -> None:
 def prov(tmp_path_factory):
     root = tmp_path_factory.mktemp("provisioned")
     d = Provisioned(root)
-    t0 = time.monotonic()
-    d.prepare()
-    print(f"nvflare provision: {time.monotonic() - t0:.1f} s")
     code = root / "site-code"
     code.mkdir()
     shutil.copy(REPO / "examples/flare/numpy-fedavg/app/custom/np_delta.py", code)
     d.component = code / "np_delta.py"
-    for kit in (SERVER, *d.sites):
-        r = d.site_step("allow-list", str(d.site(kit)))
-        assert r.returncode == 0, r.stderr
-    for site in d.sites:
-        r = d.site_step("policy", str(d.site(site)), "--component", f"{d.component}:AddDelta")
-        assert r.returncode == 0, r.stderr
+    # docs/flare-production.md's steps, the page's script itself, with this test's
+    # project.yml (free ports), folders and rank code: provision, allow-list on the
+    # three kits, the clients' policy, each kit's start.sh (in the script's session).
+    site_steps = REPO / "examples" / "flare" / "production" / "site-steps.sh"
+    env = dict(
+        d.env,
+        PROJECT_YML=str(d.yml),
+        WS=str(d.ws),
+        KIT=str(d.prod),
+        SERVER=SERVER,
+        SITES=" ".join(d.sites),
+        COMPONENT=f"{d.component}:AddDelta",
+        PROVISION_ARGS="--force",
+    )
+    out = root / "site-steps.out"
     t0 = time.monotonic()
     try:
-        d.start()
-        print(f"start.sh of 3 kits -> both clients connected: {time.monotonic() - t0:.1f} s")
+        with out.open("w") as f:
+            steps = subprocess.Popen(
+                ["bash", str(site_steps)],
+                cwd=root,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                rc = steps.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(steps.pid, signal.SIGKILL)  # its own session: the script, its children
+                steps.wait(timeout=30)
+                pytest.fail(f"{site_steps} ran past 180 s:\n{out.read_text()[-4000:]}")
+        text = out.read_text(errors="replace")
+        assert rc == 0, f"{site_steps} exited {rc}:\n{text[-4000:]}"
+        for kit in (SERVER, *d.sites):
+            assert (d.site(kit) / "startup" / "start.sh").exists(), text[-4000:]
+            assert (d.site(kit) / "local" / "resources.json").exists(), text[-4000:]
+        for site in d.sites:
+            assert (d.site(site) / "local" / "rankexec.json").exists(), text[-4000:]
+        s = d.session()
+        ok = wait_until(lambda: d._clients_up(s), START_CAP_S, step=0.5)
+        assert ok, f"clients did not connect: {s.get_system_info()}"
+        print(f"site steps -> both clients connected: {time.monotonic() - t0:.1f} s")
         yield d
     finally:
         left = d.stop()

@@ -1,15 +1,21 @@
 """rankexec.flower under Flower's real Deployment Engine (flwr 1.42), offline.
 
-One SuperLink and two SuperNodes (``--insecure``, a private ``FLWR_HOME``, free ports,
-telemetry and update checks off) serve six runs of ``examples/flower/ddp-digits``
-(two DDP ranks per node, gloo, FedAvg):
+1. the example, as docs/flower.md runs it: the page's script,
+   ``examples/flower/ddp-digits/federation.sh`` (its own SuperLink and two SuperNodes,
+   with this test's ``FLWR_HOME``, free ports and run config): held-out accuracy
+   >= 0.95, every node's ranks the same pids in every round, every group closed by the
+   ServerApp's ``close_groups`` at the end, and the script's processes and the ranks
+   gone when it exits; the script SIGTERMed while ``flwr run`` runs stops everything
+   it started too.
 
-1. the example: held-out accuracy >= 0.95, every node's ranks the same pids in every
-   round, every group closed by the ServerApp's ``close_groups`` at the end; meanwhile
-   a second run with slow rounds shares both nodes (one group per run on each node)
-   and its ``flwr stop`` ends its groups only;
+Then one SuperLink and two SuperNodes started by ``rankexec.flower.deployment``
+(``--insecure``, a private ``FLWR_HOME``, free ports, telemetry and update checks off)
+serve five runs of the example (two DDP ranks per node, gloo, FedAvg):
+
 2. a rank that raises: the node answers with Flower's ``Error`` naming the rank and
-   the exception, the next round runs on a relaunched group;
+   the exception, the next round runs on a relaunched group; meanwhile a second run
+   with slow rounds shares both nodes (one group per run on each node) and its
+   ``flwr stop`` ends its groups only;
 3. rank 1 of one node SIGKILLed mid-round: ``restart.retry_task`` runs the node's
    message again on a relaunched group, and the round aggregates both nodes;
 4. a SuperNode SIGSTOPped: the ServerApp's ``close_groups`` reports it ``False``;
@@ -24,7 +30,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,12 +44,14 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from rankexec.flower import host_status
-from rankexec.flower.deployment import Deployment
+from rankexec.flower.deployment import Deployment, free_port
 
 from .helpers import pid_alive, pids_with_env, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 APP = REPO / "examples" / "flower" / "ddp-digits"
+# What examples/flower/ddp-digits/federation.sh prints of each process it starts.
+STARTED = re.compile(r"^federation: (?:superlink|supernode \d+) pid (\d+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +84,146 @@ def _result(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_ddp_digits_keeps_its_ranks_across_rounds(dep: Deployment) -> None:
-    """The example, while another run (A, slow rounds) shares both SuperNodes: each node
-    keeps one group per run; ``flwr stop`` of A mid-round ends A's groups only (A is
-    forgotten by both hosts, its rank logs with it), and the example completes on the
-    same ranks in every round."""
-    out = dep.root / "result-1.json"
+def test_ddp_digits_keeps_its_ranks_across_rounds(tmp_path: Path) -> None:
+    """docs/flower.md's federation, the page's script itself (a SuperLink, two
+    SuperNodes, ``flwr run ... --stream``) with this test's FLWR_HOME, free ports and a
+    run config: the example completes 3 rounds on the same ranks in every round with a
+    held-out accuracy of at least 0.95, and when the script exits the processes it
+    started, the ranks and every process of the test's folder are gone."""
+    script = REPO / "examples" / "flower" / "ddp-digits" / "federation.sh"
+    out = tmp_path / "result-1.json"
+    bindir = str(Path(sys.executable).parent)  # flower-superlink, flwr: the test venv's
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")]),
+        "FLWR_HOME": str(tmp_path / "flwr-home"),
+        "APP": str(APP),
+        "LINK_PORT": str(free_port()),
+        "NODE_PORTS": f"{free_port()} {free_port()}",
+        "RUN_CONFIG": f"result-file={json.dumps(str(out))} num-server-rounds=3",
+        "RANKEXEC_FLOWER_DIR": str(tmp_path / "rx"),
+        "RANKEXEC_LOG": "warn",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tmp_path / "federation.out"
     t0 = time.monotonic()
+    try:
+        with log.open("w") as f:
+            p = subprocess.Popen(
+                ["bash", str(script)],
+                cwd=tmp_path,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            try:
+                rc = p.wait(timeout=420)
+            except subprocess.TimeoutExpired:
+                p.terminate()  # the script's trap stops what it started
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=30)
+                pytest.fail(f"{script} ran past its deadline:\n{log.read_text()[-4000:]}")
+        text = log.read_text(errors="replace")
+        print(text[-3000:])
+        assert rc == 0, f"{script} exited {rc}:\n{text[-4000:]}"
+        started = [int(x) for x in STARTED.findall(text)]
+        assert len(started) == 3, text[-4000:]  # the SuperLink and the two SuperNodes
+        # The script waited for them: gone when it returns.
+        assert not [p for p in started if pid_alive(p)], text[-4000:]
+        res = _result(out)
+        print(
+            f"\n[flower] {script.name}: exited {rc} in {time.monotonic() - t0:.1f}s,"
+            f" held-out accuracy {res['accuracy']:.4f}"
+        )
+        assert res["accuracy"] >= 0.95
+        per_round = [sorted(tuple(r["pids"]) for r in replies) for replies in res["replies"]]
+        print(f"[flower] rank pids per round (one pair per node): {per_round}")
+        assert len(per_round) == 3 and all(len(r) == 2 for r in per_round)
+        assert all(len(p) == 2 for p in per_round[0]), "two ranks per node"
+        assert per_round[0] == per_round[1] == per_round[2], "the same ranks in every round"
+        assert all(res["closed"].values()) and len(res["closed"]) == 2
+        pids = [p for pair in per_round[0] for p in pair]
+        wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "ranks gone after the run")
+        wait_until(lambda: not pids_with_env(str(tmp_path)), 30, "no process of the test left")
+    finally:
+        for pid in pids_with_env(str(tmp_path)):  # never leave anything, even on a failure
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_federation_script_stops_what_it_started_on_sigterm(tmp_path: Path) -> None:
+    """The page's script SIGTERMed while ``flwr run`` runs (as a service manager stops
+    it; Ctrl-C is SIGINT, the same trap): it exits 143 and its SuperLink, SuperNodes
+    and ``flwr run`` are gone, nothing of the test's folder left."""
+    script = REPO / "examples" / "flower" / "ddp-digits" / "federation.sh"
+    bindir = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")]),
+        "FLWR_HOME": str(tmp_path / "flwr-home"),
+        "APP": str(APP),
+        "LINK_PORT": str(free_port()),
+        "NODE_PORTS": f"{free_port()} {free_port()}",
+        "RUN_CONFIG": "num-server-rounds=1 slow-s=120.0",
+        "RANKEXEC_FLOWER_DIR": str(tmp_path / "rx"),
+        "RANKEXEC_LOG": "warn",
+    }
+    log = tmp_path / "federation.out"
+    try:
+        with log.open("w") as f:
+            p = subprocess.Popen(
+                ["bash", str(script)],
+                cwd=tmp_path,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            wait_until(
+                lambda: "federation: flwr run pid" in log.read_text() or p.poll() is not None,
+                120,
+                "the script running flwr run",
+            )
+            assert p.poll() is None, log.read_text()[-4000:]
+            p.send_signal(signal.SIGTERM)  # the script only, not its process group
+            rc = p.wait(timeout=90)
+        text = log.read_text(errors="replace")
+        print(text[-1500:])
+        assert rc == 143, f"{script} exited {rc}:\n{text[-4000:]}"
+        started = [int(x) for x in STARTED.findall(text)]
+        m = re.search(r"^federation: flwr run pid (\d+)$", text, re.MULTILINE)
+        assert m, text[-4000:]
+        run_pid = int(m.group(1))
+        assert len(started) == 3, text[-4000:]
+        assert not [p for p in [*started, run_pid] if pid_alive(p)], text[-4000:]
+        wait_until(lambda: not pids_with_env(str(tmp_path)), 30, "no process of the test left")
+    finally:
+        for pid in pids_with_env(str(tmp_path)):  # never leave anything, even on a failure
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_raising_rank_answers_an_error_and_the_group_is_relaunched(dep: Deployment) -> None:
+    """A rank that raises, while another run (A, slow rounds) shares both SuperNodes:
+    each node keeps one group per run; ``flwr stop`` of A mid-round ends A's groups
+    only (A is forgotten by both hosts, its rank logs with it), and the raising run
+    completes on its own groups."""
+    out = dep.root / "result-2.json"
     run_a = dep.submit(APP, {"num-server-rounds": 2, "slow-s": 120.0})
-    run = dep.submit(APP, {"result-file": str(out), "num-server-rounds": 3})
+    run = dep.submit(
+        APP,
+        {
+            "result-file": str(out),
+            "num-server-rounds": 2,
+            "raise-round": 1,
+            "raise-rank": 1,
+            "raise-partition": 0,
+        },
+    )
     nodes: list[int] = []
 
     def a_busy() -> bool:
@@ -106,37 +248,6 @@ def test_ddp_digits_keeps_its_ranks_across_rounds(dep: Deployment) -> None:
     print(f"\n[flower] flwr stop {run_a}: its ranks {a_ranks} gone in {time.monotonic() - t:.1f}s")
     status = dep.wait_run(run, 300)
     res = _result(out)
-    print(
-        f"\n[flower] run {run}: {status} in {time.monotonic() - t0:.1f}s,"
-        f" held-out accuracy {res['accuracy']:.4f}"
-    )
-    assert status == "finished:completed"
-    assert res["accuracy"] >= 0.95
-    per_round = [sorted(tuple(r["pids"]) for r in replies) for replies in res["replies"]]
-    print(f"[flower] rank pids per round (one pair per node): {per_round}")
-    assert len(per_round) == 3 and all(len(r) == 2 for r in per_round)
-    assert all(len(p) == 2 for p in per_round[0]), "two ranks per node"
-    assert per_round[0] == per_round[1] == per_round[2], "the same ranks in every round"
-    assert all(res["closed"].values()) and len(res["closed"]) == 2
-    pids = [p for pair in per_round[0] for p in pair]
-    assert not set(a_ranks) & set(pids), "run A's ranks never served the example"
-    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "ranks gone after the run")
-
-
-def test_a_raising_rank_answers_an_error_and_the_group_is_relaunched(dep: Deployment) -> None:
-    out = dep.root / "result-2.json"
-    run = dep.submit(
-        APP,
-        {
-            "result-file": str(out),
-            "num-server-rounds": 2,
-            "raise-round": 1,
-            "raise-rank": 1,
-            "raise-partition": 0,
-        },
-    )
-    status = dep.wait_run(run, 300)
-    res = _result(out)
     print(f"\n[flower] run {run}: {status}; errors per round: {res['errors']}")
     assert status == "finished:completed"
     (reason,) = res["errors"][0]
@@ -148,6 +259,8 @@ def test_a_raising_rank_answers_an_error_and_the_group_is_relaunched(dep: Deploy
     assert survivor in later, "the other node kept its ranks"
     relaunched = next(p for p in later if p != survivor)
     print(f"[flower] the failed node's new ranks: {relaunched}")
+    served = [p for r in res["replies"][0] + res["replies"][1] for p in r["pids"]]
+    assert not set(a_ranks) & set(served), "run A's ranks never served the other run"
     wait_until(lambda: not any(pid_alive(p) for p in relaunched), 30, "ranks gone")
 
 

@@ -1,9 +1,10 @@
 """Hugging Face ``Trainer`` with DDP on a kept rank group, under Flower's Deployment
 Engine (flwr 1.42), offline.
 
-One SuperLink and two SuperNodes (``--insecure``, a private ``FLWR_HOME``, free ports,
-telemetry and update checks off, ``HF_HUB_OFFLINE=1``) run ``examples/flower/hf-trainer``
-for 2 rounds: FedAvg of a tiny GPT-2 built from a config, each node's ``train`` and
+docs/flower.md's command, read from the page (a run-in block): the example's
+federation script, ``examples/flower/ddp-digits/federation.sh`` (one SuperLink and two
+SuperNodes, ``--insecure``, with this test's ``FLWR_HOME``, free ports and run config,
+``HF_HUB_OFFLINE=1``), runs ``examples/flower/hf-trainer`` for 2 rounds: FedAvg of a tiny GPT-2 built from a config, each node's ``train`` and
 ``evaluate`` handlers running ``transformers.Trainer`` on two gloo DDP ranks. Checked,
 from what the ServerApp writes:
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,51 +47,58 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from rankexec.flower.deployment import Deployment
+import docrun
+
+from rankexec.flower.deployment import free_port
 
 from .helpers import pid_alive, pids_with_env, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
-APP = REPO / "examples" / "flower" / "hf-trainer"
+# What examples/flower/ddp-digits/federation.sh prints of each process it starts.
+STARTED = re.compile(r"^federation: (?:superlink|supernode \d+) pid (\d+)$", re.MULTILINE)
 
 
 def test_hf_trainer_trains_with_ddp_on_one_rank_group_per_node(tmp_path: Path) -> None:
+    """docs/flower.md's command, read from the page: the example's federation script
+    (a SuperLink, two SuperNodes) running this app, with this test's FLWR_HOME, free
+    ports and run config; its output is the page's."""
     root = tmp_path
     out = root / "result.json"
     tmp = root / "tmp"  # the ranks' TMPDIR: Trainer's output_dir, removed at their exit
     tmp.mkdir()
-    dep = Deployment(
-        root,
-        ["partition-id=0 num-partitions=2", "partition-id=1 num-partitions=2"],
-        env={
-            "RANKEXEC_FLOWER_DIR": str(root / "rx"),
-            "RANKEXEC_LOG": "warn",
-            "HF_HUB_OFFLINE": "1",
-            "HF_HOME": str(root / "hf-home"),
-            "TMPDIR": str(tmp),
-        },
-    )
+    (step,) = docrun.console("docs/flower.md", "hf-trainer")
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(root / "flwr-home"),
+        "LINK_PORT": str(free_port()),
+        "NODE_PORTS": f"{free_port()} {free_port()}",
+        "RUN_CONFIG": f"result-file={json.dumps(str(out))} num-server-rounds=2",
+        "RANKEXEC_FLOWER_DIR": str(root / "rx"),
+        "RANKEXEC_LOG": "warn",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(root / "hf-home"),
+        "TMPDIR": str(tmp),
+        "PYTHONUNBUFFERED": "1",
+    }
     t0 = time.monotonic()
     try:
-        dep.start()
-        run = dep.submit(APP, {"result-file": str(out), "num-server-rounds": 2})
-        status = dep.wait_run(run, 300)
+        rc, output = docrun.run(step, root / "federation.out", 480, env)
         took = time.monotonic() - t0
-        assert status == "finished:completed", dep.last_failure[-6000:]
+        assert step.check(rc, output) is None, (step.check(rc, output), output[-6000:])
+        started = [int(x) for x in STARTED.findall(output)]
+        assert len(started) == 3, output[-4000:]  # the SuperLink and the two SuperNodes
+        assert not [p for p in started if pid_alive(p)], "the script stopped what it started"
         res = json.loads(out.read_text())
         _check(res, took)
         pids = {p for replies in res["train"] for r in replies for p in r["pids"]}
         wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the ranks gone after the run")
         assert not list(tmp.glob("hf-trainer-*")), "the ranks removed their output_dir"
+        wait_until(lambda: not pids_with_env(str(root)), 30, "no process of the test left")
     finally:
-        dep.stop()
-        try:
-            wait_until(lambda: not pids_with_env(str(root)), 30, "no process of the test left")
-        finally:
-            left = pids_with_env(str(root))
-            for pid in left:  # never leave anything behind, even when the test fails
-                os.kill(pid, signal.SIGKILL)
-        print(f"[hf-trainer] after stop: {len(left)} processes left")
+        left = pids_with_env(str(root))
+        for pid in left:  # never leave anything behind, even when the test fails
+            os.kill(pid, signal.SIGKILL)
+        print(f"[hf-trainer] after the script: {len(left)} processes left")
 
 
 def _check(res: dict, took: float) -> None:

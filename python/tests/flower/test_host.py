@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import docrun
 import numpy as np
 import pytest
 
@@ -274,6 +275,13 @@ def test_crafted_requests_are_refused_by_the_host_naming_the_site_rule(app, tmp_
             assert out.get("kind") == "SiteError", (what, out)
             assert says in out["error"] and rule in out["error"], (what, out)
             assert str(site) in out["error"], "the message names the site file"
+            if what == "extra launcher arguments":  # the refusal docs/flower-site.md shows
+                shown = docrun.log_lines(
+                    "docs/flower-site.md",
+                    "refused-launcher",
+                    paths={"/etc/rankexec/flower.json": site},
+                )
+                assert not docrun.missing_lines(shown, out["error"]), (shown, out["error"])
         st = host_status(node)
         assert st is not None and st["pids"] == [] and st["run_ids"] == [], st
         # The same request through the ClientApp is answered with Flower's Error.
@@ -352,6 +360,12 @@ def test_one_host_per_node(app, tmp_path) -> None:
         print(f"\n[flower-host] a second host: exit {code}: {log.strip().splitlines()[-1]}")
         assert code == 3, log
         assert f"another rankexec host (pid {first.pid}) serves node {node}" in log
+        shown = docrun.log_lines(
+            "docs/flower-site.md",
+            "second-host",
+            paths={"/run/user/1000/rankexec-flower/node-7006": directory},
+        )
+        assert not docrun.missing_lines(shown, log), (shown, log)
         assert (directory / "secret").read_bytes() == secret, "the first's secret stays"
         assert host_status(node)["pid"] == first.pid, "the first host still serves"
         reply, _ = _call(app, node)

@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import docrun
 import pytest
 from proc_checks import owned
 
@@ -288,6 +289,8 @@ def test_a_frame_costs_what_arrives_and_past_the_limits_is_refused(tmp_path: Pat
             print(f"[flower-frames] answer: {out['error']}")
             assert "the limit is 16777216 bytes (16 MiB" in out["error"], out
             assert "MAX_HEAD" in out["error"], out
+            shown = docrun.log_lines("docs/flower-site.md", "frame-refused")
+            assert not docrun.missing_lines(shown, out["error"]), (shown, out["error"])
         # A raw buffer of 256 MiB declared: large buffers travel as memory files.
         with _channel.connect(directory) as sock:
             before = _rss(pid)

@@ -1,0 +1,194 @@
+"""The API through which a slow test runs a guide block it reads from the page (a
+`run-in` block, docs/CONVENTIONS.md): ``console()`` gives a ```console block's commands
+as argv with the test's declared substitutions, ``run()`` runs one with a deadline,
+``Step.check()`` compares what it printed with the console notation, and
+``log_lines()``/``missing_lines()`` check a ```text block of log lines against a run's
+logs.
+
+Why: a FLARE simulation or a torch job takes a minute; CI runs it once, in the test
+that checks what it does, and that test runs the page's commands, so the page cannot
+drift from what CI ran (``test_docs.py`` checks that the named test reads the block).
+
+Caveats: only one program per command (no pipes, `&&` except a leading `cd DIR &&`,
+no shell variables); substitutions are made once, in one pass; a log line matches
+anywhere within one line of the log (what comes before it is not compared).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from docblocks import REPO, RUN_IN, Block, blocks, check_output, line_pattern, parse_console
+
+# Substitutions are declared by the test and are the only ones: `tmp=` moves every
+# `/tmp/NAME` path of the block into the test's folder, `wheel=` stands for the wheel's
+# file name (`rankexec-0.1.0-...whl` on the page), and `paths=` maps a path the page
+# shows (`/opt/flare`, an example job) to the test's.
+
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+WHEEL_NAME = re.compile(r"rankexec-[0-9.]+-[\w.-]*\.whl")
+
+
+def run_in_block(page: str, block_id: str) -> Block:
+    """The block of `page` (a path from the repository root) marked `run-in: ID by ...`."""
+    found = [
+        b
+        for b in blocks(REPO / page)
+        if b.marker
+        and b.marker[0] == "run-in"
+        and (m := RUN_IN.fullmatch(b.marker[1]))
+        and m.group(1) == block_id
+    ]
+    assert len(found) == 1, f"{page} has {len(found)} blocks marked run-in: {block_id} by ..."
+    return found[0]
+
+
+def substitute(
+    text: str, tmp: Path | None, wheel: Path | None, paths: dict[str, Path] | None
+) -> str:
+    """One pass (a replacement is never replaced again): each of `paths` (a path the
+    page shows) by the test's, the wheel's file name by `wheel`, `/tmp/` by `tmp`."""
+    subs: list[tuple[str, str]] = [
+        (re.escape(k), str(v)) for k, v in sorted((paths or {}).items(), key=lambda kv: -len(kv[0]))
+    ]
+    if wheel is not None:
+        subs.append((WHEEL_NAME.pattern, str(wheel)))
+    if tmp is not None:
+        subs.append((r"(?<![\w./])/tmp/", str(tmp).rstrip("/") + "/"))
+    if not subs:
+        return text
+    pattern = re.compile("|".join(f"({p})" for p, _ in subs))
+    return pattern.sub(lambda m: subs[m.lastindex - 1][1] if m.lastindex else m.group(0), text)
+
+
+@dataclass
+class Step:
+    """One `$ ` command of a block: its argv (`shlex` split; `python` and the venv's
+    tools resolved to the test's interpreter), the folder it runs in (the repository
+    root, or where a leading `cd DIR &&` goes), its exit code and its expected lines."""
+
+    argv: list[str]
+    cwd: Path
+    code: int
+    expected: list[str]
+
+    def check(self, rc: int, out: str) -> str | None:
+        """None when the exit code and the output are the ones the page shows."""
+        if rc != self.code:
+            return f"`{' '.join(self.argv)}` exited {rc}, the page says {self.code}"
+        return check_output(self.expected, out)
+
+
+def console(
+    page: str,
+    block_id: str,
+    *,
+    tmp: Path | None = None,
+    wheel: Path | None = None,
+    paths: dict[str, Path] | None = None,
+    cwd: Path = REPO,
+) -> list[Step]:
+    """The commands of a run-in ```console block, with the test's substitutions; `cwd`:
+    the folder the page says they run from (the repository root unless it says)."""
+    b = run_in_block(page, block_id)
+    assert b.lang == "console", f"{b.where} is not a ```console block"
+    bindir = Path(sys.executable).parent
+    steps = []
+    for cmd, code, expected in parse_console(b.text):
+        argv = shlex.split(substitute(cmd, tmp, wheel, paths), comments=True)
+        where = cwd
+        if argv[:1] == ["cd"]:
+            assert argv[2:3] == ["&&"], f"{b.where}: `cd DIR && COMMAND`, or no cd"
+            where, argv = cwd / argv[1], argv[3:]
+        assert not {"&&", "||", ";", "|", ">", "<"} & set(argv), (
+            f"{b.where}: a run-in command is one program and its arguments: {cmd!r}"
+        )
+        if argv[0] == ".":  # `. VENV/bin/activate`: the test that runs the block activates it
+            pass
+        elif argv[0] == "python":
+            argv[0] = sys.executable
+        elif "/" not in argv[0] and (bindir / argv[0]).exists():
+            argv[0] = str(bindir / argv[0])
+        elif argv[0].startswith("target/"):  # the build's, wherever CARGO_TARGET_DIR puts it
+            argv[0] = str(TARGET / argv[0].removeprefix("target/"))
+        want = [substitute(x, tmp, wheel, paths) for x in expected]
+        steps.append(Step(argv, where, code, want))
+    return steps
+
+
+def _descendants(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def run(
+    step: Step, log: Path, timeout: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Runs a step in a session of its own, its output (stdout and stderr) into `log`;
+    past `timeout` it and every process descended from it are SIGKILLed and the test
+    fails. Returns the exit code and the output."""
+    env = dict(os.environ if env is None else env)
+    env["PATH"] = os.pathsep.join(
+        [str(TARGET / "release"), str(Path(sys.executable).parent), env.get("PATH", "")]
+    )
+    with log.open("w") as f:
+        p = subprocess.Popen(
+            step.argv,
+            cwd=step.cwd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*_descendants(p.pid), p.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=30)
+            raise AssertionError(
+                f"`{' '.join(step.argv)}` ran past {timeout} s:\n{log.read_text()[-4000:]}"
+            ) from None
+    return rc, log.read_text(errors="replace")
+
+
+def log_lines(
+    page: str, block_id: str, *, tmp: Path | None = None, paths: dict[str, Path] | None = None
+) -> list[str]:
+    """The lines of a run-in ```text block of log lines (blank lines left out)."""
+    b = run_in_block(page, block_id)
+    assert b.lang == "text", f"{b.where} is not a ```text block"
+    return [substitute(x, tmp, None, paths).strip() for x in b.text.split("\n") if x.strip()]
+
+
+def missing_lines(lines: list[str], log: str) -> list[str]:
+    """The shown log lines that are not in the log: each must match within one line of
+    it (`[..]` any text), so a timestamp and a logger's prefix may come before it."""
+    got = log.split("\n")
+    return [
+        w
+        for w in lines
+        if not any(line_pattern(w).search(g) for g in got)  # search: prefixes vary
+    ]
