@@ -533,9 +533,11 @@ def _run_block(
 
 
 def test_the_wheel_blocks_of_the_guide_run_as_written(clean):
-    """The guide's install-from-the-wheel blocks (README, getting-started, rank-code),
-    read from the pages, each in a folder of its own where it makes its own `.venv`."""
-    for folder in ("readme", "getting-started", "rank-code"):
+    """The guide's install-from-the-wheel blocks (README, getting-started, rank-code,
+    the two Flower apps' environments), read from the pages, each in a folder of its
+    own (those that make a `.venv` make their own; the Flower ones install into the
+    clean venv)."""
+    for folder in ("readme", "getting-started", "rank-code", "flower"):
         (clean.root / folder).mkdir()
     readme = docrun.console("README.md", "wheel", wheel=clean.wheel, cwd=clean.root / "readme")
     started = docrun.console(
@@ -547,10 +549,14 @@ def test_the_wheel_blocks_of_the_guide_run_as_written(clean):
     rank_code = docrun.console(
         "docs/rank-code.md", "wheel", wheel=clean.wheel, cwd=clean.root / "rank-code"
     )
+    flower = docrun.console("docs/flower.md", "wheel", wheel=clean.wheel, cwd=clean.root / "flower")
+    hf = docrun.console("docs/flower.md", "hf-wheel", wheel=clean.wheel, cwd=clean.root / "flower")
     for where, steps in (
         ("README.md", readme),
         ("docs/getting-started.md", started),
         ("docs/rank-code.md", rank_code),
+        ("docs/flower.md, the example", flower),
+        ("docs/flower.md, Hugging Face", hf),
     ):
         _run_block(clean, steps, where)
 
