@@ -18,6 +18,8 @@
 #   --profile  the cargo profile: `wheel` (default: fat LTO, stripped) or `wheel-test`
 #              (no LTO: what python/tests/test_wheel.py builds to keep CI short)
 #   --out      where the wheel and sdist go (default: ${CARGO_TARGET_DIR:-target}/wheels)
+# RANKEXEC_WHEEL_PROFILE and RANKEXEC_WHEEL_OUT set the same defaults, so that
+# python/tests/test_wheel.py runs the command docs/development.md shows as written.
 #
 # The build tools (maturin, ziglang, cargo-zigbuild, auditwheel, pinned below) are
 # installed once into ${CARGO_TARGET_DIR:-target}/wheel-tools, a virtual environment of
@@ -30,14 +32,14 @@ START=$SECONDS
 say() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
-PROFILE=wheel
+PROFILE="${RANKEXEC_WHEEL_PROFILE:-wheel}"
 TARGET_DIR="${CARGO_TARGET_DIR:-target}"
-OUT="$TARGET_DIR/wheels"
+OUT="${RANKEXEC_WHEEL_OUT:-$TARGET_DIR/wheels}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --profile) PROFILE="${2:?--profile needs a value}"; shift 2 ;;
         --out) OUT="${2:?--out needs a value}"; shift 2 ;;
-        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done

@@ -11,7 +11,8 @@ function, the module-level names it uses and its fixtures' functions must name t
 file's path, or every part of it as string literals); a test that builds the path
 some other way is not recognised and the include is refused, never wrongly accepted.
 A run-in block's "the test reads it" is read from the test's source the same way (a
-``console(PAGE, ID)``/``log_lines(PAGE, ID)`` call with literal arguments); that the
+``console(PAGE, ID)``/``log_lines(PAGE, ID)``/``statements(PAGE, ID)`` call with
+literal arguments); that the
 test then runs every step is the test's part, not checked here.
 """
 
@@ -115,7 +116,7 @@ def kind(b: Block) -> str:
         return "tour"
     if mk == "excerpt" and arg:
         return "excerpt"
-    if mk == "run-in" and RUN_IN.fullmatch(arg) and b.lang in ("console", "text"):
+    if mk == "run-in" and RUN_IN.fullmatch(arg) and b.lang in ("console", "text", "python"):
         return "run-in"
     if mk == "run-by" and arg and SNIPPET.match(b.text.strip()):
         return "include"
@@ -345,8 +346,9 @@ for where, code in json.load(sys.stdin):
 
 
 def run_in_calls(test_file: Path, test_name: str) -> set[tuple[str, str]]:
-    """(page, id) of every `console(...)`/`log_lines(...)` call with literal arguments in
-    the test function and in the module-level names and fixtures it uses."""
+    """(page, id) of every `console(...)`/`log_lines(...)`/`statements(...)` call with
+    literal arguments in the test function and in the module-level names and fixtures
+    it uses."""
     text = _function_text(test_file, test_name)
     if text is None:
         return set()
@@ -356,7 +358,7 @@ def run_in_calls(test_file: Path, test_name: str) -> set[tuple[str, str]]:
             continue
         f = node.func
         name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-        if name in ("console", "log_lines") and len(node.args) >= 2:
+        if name in ("console", "log_lines", "statements") and len(node.args) >= 2:
             a, b = node.args[:2]
             if isinstance(a, ast.Constant) and isinstance(b, ast.Constant):
                 out.add((str(a.value), str(b.value)))
@@ -374,6 +376,6 @@ def check_run_in(b: Block) -> str | None:
     if (b.rel, block_id) not in run_in_calls(REPO / path, name):
         return (
             f"run-in: {path}::{name} does not read this block "
-            f'(docrun.console("{b.rel}", "{block_id}") or log_lines(...))'
+            f'(docrun.console("{b.rel}", "{block_id}"), log_lines(...) or statements(...))'
         )
     return None

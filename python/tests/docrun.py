@@ -3,7 +3,8 @@
 as argv with the test's declared substitutions, ``run()`` runs one with a deadline,
 ``Step.check()`` compares what it printed with the console notation, and
 ``log_lines()``/``missing_lines()`` check a ```text block of log lines against a run's
-logs.
+logs, and ``statements()`` gives a ```python block's top-level statements for the test
+to execute in order (a deployment's admin-API block).
 
 Why: a FLARE simulation or a torch job takes a minute; CI runs it once, in the test
 that checks what it does, and that test runs the page's commands, so the page cannot
@@ -16,6 +17,7 @@ anywhere within one line of the log (what comes before it is not compared).
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -181,6 +183,31 @@ def log_lines(
     b = run_in_block(page, block_id)
     assert b.lang == "text", f"{b.where} is not a ```text block"
     return [substitute(x, tmp, None, paths).strip() for x in b.text.split("\n") if x.strip()]
+
+
+def statements(
+    page: str, block_id: str, *, tmp: Path | None = None, paths: dict[str, Path] | None = None
+) -> list[str]:
+    """The top-level statements of a run-in ```python block, each as its source text,
+    with the test's substitutions (`paths=` maps a path the page shows, a string literal
+    such as a startup kit's folder or a job's, to the test's). The test executes them in
+    order in one namespace (``execute(stmt, ns, where)``), doing its own waits and
+    checks between them, so every statement of the page runs as shown."""
+    b = run_in_block(page, block_id)
+    assert b.lang == "python", f"{b.where} is not a ```python block"
+    text = substitute(b.text, tmp, None, paths)
+    return [ast.get_source_segment(text, node) or "" for node in ast.parse(text).body]
+
+
+def execute(stmt: str, ns: dict, where: str) -> object:
+    """Executes one statement of `statements()` in `ns`; an expression's value is
+    returned (the test compares it with what the page's comment says), else None."""
+    try:
+        code = compile(stmt, where, "eval")
+    except SyntaxError:
+        exec(compile(stmt, where, "exec"), ns)  # noqa: S102 (the guide's own block)
+        return None
+    return eval(code, ns)
 
 
 def missing_lines(lines: list[str], log: str) -> list[str]:

@@ -53,7 +53,7 @@ from docblocks import (
     kind,
     parse_console,
 )
-from docrun import missing_lines, substitute
+from docrun import execute, missing_lines, substitute
 
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
@@ -299,6 +299,12 @@ def test_the_notation() -> None:
     assert why is not None and "does not read this block" in why, why
     no_test = ("run-in", "x by python/tests/test_docs.py::no_such_test")
     assert check_run_in(Block(page, 1, "console", "$ true", no_test)) is not None
+    # A ```python run-in block (a deployment's admin API) is one too, refused the same way;
+    # its test executes its statements one by one, an expression's value returned.
+    assert kind(Block(page, 1, "python", "x = 1", marker)) == "run-in"
+    assert check_run_in(Block(page, 1, "python", "x = 1", marker)) is not None
+    ns: dict = {}
+    assert execute("x = 2", ns, "here") is None and execute("x + 1", ns, "here") == 3
 
 
 @pytest.mark.parametrize("block", CONSOLE, ids=[b.where for b in CONSOLE])

@@ -1,8 +1,9 @@
 """The wheel as a site installs it: built by `scripts/wheel.sh`, installed into a clean
 virtual environment, run with no Rust, no checkout and an empty HOME.
 
-The module builds the wheel once (`scripts/wheel.sh --profile wheel-test`: the real
-command with a profile that compiles faster; `RANKEXEC_WHEEL=path.whl` tests a wheel
+The module builds the wheel once (`scripts/wheel.sh` as docs/development.md shows it,
+read from the page, its output compared, with `RANKEXEC_WHEEL_PROFILE=wheel-test`: a
+profile that compiles faster; `RANKEXEC_WHEEL=path.whl` tests a wheel
 built before, e.g. the release one), makes a venv without system site-packages, installs
 the wheel with pip (from pip's own cache when it has the packages: `PIP_CACHE_DIR` is
 passed on, since HOME is empty), and runs everything from a directory outside the
@@ -84,19 +85,28 @@ def wheel(tmp_path_factory) -> Path:
         return Path(prebuilt).resolve()
     out = tmp_path_factory.mktemp("dist")
     src = _snapshot()
-    proc = subprocess.run(
-        [str(src / "scripts" / "wheel.sh"), "--profile", "wheel-test", "--out", str(out)],
-        check=False,
+    # docs/development.md's command as written, in the snapshot, with the faster profile
+    # and this test's folder for the wheel (wheel.sh's RANKEXEC_WHEEL_* defaults); its
+    # output is compared with the page's (`[..]` for sizes, seconds and the profile).
+    (step,) = docrun.console(
+        "docs/development.md",
+        "wheel-build",
+        paths={"/home/you/rankexec/target/wheels": out},
         cwd=src,
-        capture_output=True,
-        text=True,
-        timeout=BUILD_CAP_S,
-        env={**os.environ, "CARGO_TARGET_DIR": str(TARGET.resolve())},
     )
-    assert proc.returncode == 0, f"scripts/wheel.sh failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    print(proc.stdout)
-    m = re.search(r"^wheel: (\S+\.whl) ", proc.stdout, re.MULTILINE)
-    assert m, proc.stdout
+    env = {
+        **os.environ,
+        "CARGO_TARGET_DIR": str(TARGET.resolve()),
+        "RANKEXEC_WHEEL_PROFILE": "wheel-test",
+        "RANKEXEC_WHEEL_OUT": str(out),
+    }
+    log = tmp_path_factory.mktemp("wheel-build") / "wheel.sh.out"
+    rc, text = docrun.run(step, log, BUILD_CAP_S, env)
+    print(text[-3000:])
+    why = step.check(rc, text)
+    assert why is None, f"scripts/wheel.sh: {why}\n{text[-6000:]}"
+    m = re.search(r"^wheel: (\S+\.whl) ", text, re.MULTILINE)
+    assert m, text[-6000:]
     return Path(m.group(1))
 
 

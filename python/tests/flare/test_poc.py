@@ -20,6 +20,10 @@ The Client API example, a job without custom code under the site policy and an a
 abort while the ranks train run on a provisioned deployment instead
 (`test_provisioned.py`: production kits, where users run them).
 
+The SIGKILL test submits, reads the status of and aborts its job with
+docs/flare-admins.md's admin-API block itself (`run-in: admin-api`), statement by
+statement, with the page's kit and job folders mapped to this test's.
+
 Finally `nvflare poc stop` and nothing of the deployment is left (`Poc.stop` returns
 what it had to kill).
 """
@@ -34,7 +38,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import docrun
 import pytest
 
 from .flare_helpers import REPO, rank_pids, wait_until
@@ -222,8 +228,30 @@ def test_a_job_of_flares_own_runs_after_the_site_steps(poc, tmp_path):
 
 
 def test_a_killed_job_process_takes_its_ranks_with_it(poc, tmp_path):
-    job_id = poc.submit(long_client_api_job(tmp_path))
+    """docs/flare-admins.md's admin-API block runs as shown (its kit folder and job mapped
+    to this deployment's): its session and `submit_job`; once site-1's ranks train, its
+    status (RUNNING); then the SIGKILL of site-1's job process; then its `abort_job`."""
+    stmts = docrun.statements(
+        "docs/flare-admins.md",
+        "admin-api",
+        paths={
+            "/tmp/nvflare/poc/example_project/prod_00": poc.prod,
+            "examples/flare/client-api/jobs/rankexec": long_client_api_job(tmp_path),
+        },
+    )
+    ns: dict[str, Any] = {}
+    where = "docs/flare-admins.md (admin-api)"
+    rest = iter(stmts)
+    for stmt in rest:  # up to and including the submission
+        docrun.execute(stmt, ns, where)
+        if ".submit_job(" in stmt:
+            break
+    job_id = ns["job_id"]
     assert wait_until(lambda: rank_log_says(poc, job_id, "site-1", "round 0:"), JOB_CAP_S, 0.2)
+    for stmt in rest:  # the status
+        assert ".get_job_meta(" in stmt, stmt
+        assert docrun.execute(stmt, ns, where) == "RUNNING"
+        break
     ranks = job_rank_pids(poc, job_id, "site-1")
     assert len(ranks) == 2, ranks
     procs = poc.job_processes(job_id)
@@ -234,7 +262,12 @@ def test_a_killed_job_process_takes_its_ranks_with_it(poc, tmp_path):
     gone = wait_until(lambda: not job_rank_pids(poc, job_id, "site-1"), 30, step=0.01)
     print(f"client job process SIGKILLed -> its ranks gone: {time.monotonic() - t0:.3f} s")
     assert gone, f"site-1's ranks outlived their job process: {ranks}"
-    poc.session().abort_job(job_id)  # site-1 will never answer: end the job
+    for stmt in rest:  # the abort: site-1 will never answer, the admin ends the job
+        docrun.execute(stmt, ns, where)
+    try:
+        ns["s"].close()
+    except Exception as e:  # noqa: BLE001 (a session already closed)
+        print(f"closing the page's admin session: {type(e).__name__}: {e}")
     meta = poc.wait_status(job_id, "FINISHED", JOB_CAP_S)
     assert str(meta.get("status", "")).startswith("FINISHED"), meta
     assert wait_until(lambda: not job_rank_pids(poc, job_id), 60, step=0.1)

@@ -18,6 +18,10 @@ both clients, allowing the one rank component the sites install, each kit's `sta
 - `shutdown all` from the admin API: every process of the deployment (server, clients,
   their `sub_start.sh` loops, job processes, ranks) is gone.
 
+The abort and the shutdown are the page's admin-API block itself (docs/flare-production.md,
+`run-in: admin-api`): its statements run as shown, with its kit's and job's folders
+mapped to this test's, and the test's waits and checks between them.
+
 Each job's time from submission to its end is printed (`-s` shows it).
 
 CI cost: the module took 242 s on 2 cores beside other suites (provisioning 8 s, start
@@ -36,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import docrun
 import numpy as np
 import pytest
 
@@ -167,6 +172,20 @@ def client_api_job(root: Path, rounds: int | None = None, epochs: int | None = N
             client["executors"][0]["executor"]["args"]["script_args"] = f"--epochs {epochs}"
             cfg.write_text(json.dumps(client, indent=2))
     return job
+
+
+WHERE = "docs/flare-production.md (admin-api)"
+
+
+def admin_api_block(d: Provisioned, job: Path) -> list[str]:
+    """docs/flare-production.md's admin-API block, statement by statement, with the page's
+    kit folder and job folder mapped to this deployment's and `job` (a copy: FLARE signs
+    the folder it submits)."""
+    return docrun.statements(
+        "docs/flare-production.md",
+        "admin-api",
+        paths={"ws/rxprod/prod_00": d.prod, "examples/flare/client-api/jobs/rankexec": job},
+    )
 
 
 def rank_log_says(d: Provisioned, job_id: str, site: str, text: str) -> bool:
@@ -314,7 +333,19 @@ def test_a_job_without_custom_code_under_the_site_policy(prov, tmp_path):
 
 
 def test_an_admin_abort_while_the_ranks_train(prov, tmp_path):
-    job_id = prov.submit(client_api_job(tmp_path, rounds=50, epochs=40))
+    """The page's admin-API block up to its abort: its session from the admin's kit, its
+    `submit_job`, then (once the ranks train) its status, which must be RUNNING, and its
+    `abort_job`; its `shutdown` is the last test's."""
+    stmts = admin_api_block(prov, client_api_job(tmp_path, rounds=50, epochs=40))
+    assert [x for x in stmts if ".abort_job(" in x] and [x for x in stmts if ".shutdown(" in x]
+    ns: dict[str, Any] = {}
+    PAGE_SESSION.append(ns)
+    rest = iter(stmts)
+    for stmt in rest:  # up to and including the submission
+        docrun.execute(stmt, ns, WHERE)
+        if ".submit_job(" in stmt:
+            break
+    job_id = ns["job_id"]
     assert wait_until(
         lambda: all(rank_log_says(prov, job_id, s, "round 0:") for s in prov.sites),
         JOB_CAP_S,
@@ -323,7 +354,12 @@ def test_an_admin_abort_while_the_ranks_train(prov, tmp_path):
     pids = job_rank_pids(prov, job_id)
     assert len(pids) == 4, pids  # 2 sites x 2 ranks, training
     t0 = time.monotonic()
-    prov.session().abort_job(job_id)
+    for stmt in rest:  # the status, the abort
+        if ".shutdown(" in stmt:
+            break
+        value = docrun.execute(stmt, ns, WHERE)
+        if ".get_job_meta(" in stmt:
+            assert value == "RUNNING", value
     meta = prov.wait_status(job_id, "FINISHED", JOB_CAP_S)
     assert meta.get("status") == "FINISHED:ABORTED", meta
     gone = wait_until(lambda: not job_rank_pids(prov, job_id), 60, step=0.05)
@@ -331,13 +367,27 @@ def test_an_admin_abort_while_the_ranks_train(prov, tmp_path):
     assert gone, f"ranks still alive after the abort: {job_rank_pids(prov, job_id)}"
 
 
+# The namespace the page's block ran in (its admin session `s`), for its `shutdown`.
+PAGE_SESSION: list[dict[str, Any]] = []
+
+
 def test_shutdown_all_leaves_nothing(prov):
-    """The last test: the admin's `shutdown all` ends every process of the deployment
-    (the fixture's teardown then finds nothing to kill)."""
+    """The last test: the page's `shutdown` statement, from its own admin session, ends
+    every process of the deployment (the fixture's teardown then finds nothing to kill)."""
     assert prov.leftovers(), "the deployment is running before the shutdown"
+    assert PAGE_SESSION, "the abort test, which runs the page's block up to here, ran first"
+    ns = PAGE_SESSION[-1]
+    (stmt,) = [x for x in admin_api_block(prov, CLIENT_API) if ".shutdown(" in x]
     t0 = time.monotonic()
-    prov.shutdown()
+    docrun.execute(stmt, ns, WHERE)
     gone = wait_until(lambda: not prov.leftovers(), 60, step=0.2)
     print(f"shutdown all -> every process gone: {time.monotonic() - t0:.1f} s")
+    for session in (ns.get("s"), prov._session):
+        try:
+            if session is not None:
+                session.close()
+        except Exception as e:  # noqa: BLE001 (the server is gone)
+            print(f"closing an admin session: {type(e).__name__}: {e}")
+    prov._session = None  # nothing left for the teardown's own shutdown
     assert gone, f"alive after shutdown all: {prov.leftovers()}"
     assert not rank_pids(prov.ws)
