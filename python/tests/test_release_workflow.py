@@ -73,7 +73,10 @@ def test_every_action_is_pinned() -> None:
 def test_the_wheel_is_the_one_scripts_wheel_sh_builds() -> None:
     w = maturin_step("wheels")
     args = shlex.split(w["args"])
-    profile = re.search(r"^PROFILE=(\w+)", WHEEL_SH, re.MULTILINE).group(1)
+    # PROFILE="${RANKEXEC_WHEEL_PROFILE:-wheel}": the default the release builds.
+    found = re.search(r"^PROFILE=\"?(?:\$\{RANKEXEC_WHEEL_PROFILE:-)?(\w+)", WHEEL_SH, re.MULTILINE)
+    assert found, "scripts/wheel.sh sets no PROFILE"
+    profile = found.group(1)
     assert args[args.index("--profile") + 1] == profile
     assert args[args.index("--compatibility") + 1] == wheel_sh_var("POLICY")
     assert f"manylinux{w['manylinux']}" == wheel_sh_var("POLICY")
