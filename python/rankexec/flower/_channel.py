@@ -75,9 +75,10 @@ __all__ = [
 ]
 
 
-def private_dir(path: Path) -> Path:
-    """Creates ``path`` with mode 0700, or checks an existing one is ours and private.
-    A folder that cannot be made or read is a ``ChannelError`` naming it."""
+def owned_dir(path: Path) -> os.stat_result:
+    """Creates ``path`` with mode 0700 if missing and checks it is a directory of this
+    uid (not a link); its ``lstat``. A folder that cannot be made or read, or is
+    another's, is a ``ChannelError`` naming it."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = path.lstat()
@@ -85,6 +86,13 @@ def private_dir(path: Path) -> Path:
         raise ChannelError(f"the folder {path} cannot be used: {e}") from e
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise ChannelError(f"{path} is not a directory owned by uid {os.getuid()}")
+    return st
+
+
+def private_dir(path: Path) -> Path:
+    """Creates ``path`` with mode 0700, or checks an existing one is ours and private.
+    A folder that cannot be made or read is a ``ChannelError`` naming it."""
+    st = owned_dir(path)
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise ChannelError(f"{path} is open to other users (mode {oct(st.st_mode)}); refusing")
     return path

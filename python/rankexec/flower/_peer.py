@@ -104,13 +104,7 @@ def shared_dir(path: Path) -> Path:
     uid's, nothing for others and no group write (else refused, never reused), then
     given mode ``DIR_MODE`` and this process's gid, so that members of the host's group
     can reach the socket and read the secret."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.lstat()
-    except OSError as e:
-        raise ChannelError(f"the folder {path} cannot be used: {e}") from e
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise ChannelError(f"{path} is not a directory owned by uid {os.getuid()}")
+    st = _channel.owned_dir(path)
     if stat.S_IMODE(st.st_mode) & 0o027:
         raise ChannelError(
             f"{path} is open to other users or writable by its group (mode"
