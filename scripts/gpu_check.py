@@ -45,6 +45,14 @@ HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
 
 
+def ranks_path() -> str:
+    """The ranks' PYTHONPATH: this folder (they import its tasks), then the caller's
+    (where rankexec may be installed)."""
+    return os.pathsep.join(
+        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p
+    )
+
+
 def figure(name: str, value: object) -> None:
     print(f"FIGURE {name} {value}", flush=True)
 
@@ -258,6 +266,18 @@ class HostToDevice:
                 out["api_pinned_gbs"] = round(
                     best(lambda: to_device(views, dev, pin=True)), 2
                 )
+                # The same with 4 registering threads: slower on the H100 host
+                # measured (the pinning does not scale; BENCHMARKS.md).
+                from rankexec import _pin, tensors
+
+                threads, tensors._PIN_THREADS = tensors._PIN_THREADS, 4
+                try:
+                    out["api_pinned_4_threads_gbs"] = round(
+                        best(lambda: to_device(views, dev, pin=True)), 2
+                    )
+                finally:
+                    tensors._PIN_THREADS = threads
+                out["api_cudart"] = type(_pin.loaded_cudart(cudart)).__name__
             except PinError as e:
                 out["api_pin_error"] = str(e)
             back = to_device(views, dev)
@@ -283,7 +303,7 @@ def group(n: int, component: str, gpu: dict, log: Path):
                 {"id": "gpu_check", "path": f"gpu_check:{component}", "args": {}}
             ],
             "worker": {"program": "python", "args": ["-m", "rankexec.worker"]},
-            "env": {"set": {"PYTHONPATH": str(HERE), "RANKEXEC_LOG": "info"}},
+            "env": {"set": {"PYTHONPATH": ranks_path(), "RANKEXEC_LOG": "info"}},
             "gpu": gpu,
             "deadlines": {"task": "300s"},
             "log_dir": str(log),
@@ -334,7 +354,7 @@ def cmd_placement(args: argparse.Namespace, work: Path) -> bool:
         "num_of_processes": args.ranks,
         "components": [{"id": "gpu_check", "path": "gpu_check:Placement", "args": {}}],
         "worker": {"program": sys.executable, "args": ["-m", "rankexec.worker"]},
-        "env": {"set": {"PYTHONPATH": str(HERE)}},
+        "env": {"set": {"PYTHONPATH": ranks_path()}},
         "gpu": {"mode": args.mode},
         "deadlines": {"task": "120s"},
     }
@@ -451,7 +471,7 @@ def cmd_h2d(args: argparse.Namespace, work: Path) -> bool:
     figure("h2d_bytes", size)
     figure("h2d_task_s", round(took, 2))
     for k, v in r.items():
-        if k.endswith(("_gbs", "_s")) or k == "register_error":
+        if k.endswith(("_gbs", "_s")) or k in ("register_error", "api_cudart"):
             figure(f"h2d_{k}", v)
     return good
 

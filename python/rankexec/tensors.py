@@ -18,14 +18,15 @@
   without read-only registration, memory already registered) the copy is the plain
   pageable one. `PinError` (with `pin=True`) says why it was refused.
 
-Caveat of `to_device`: registering pins every page of the ranges (and faults them in);
-it is undone as soon as the copies are done, so nothing stays pinned.
+Caveat of `to_device`: registering pins every page of the ranges (and faults them in):
+about 0.15-0.23 s for 4 GiB, so ranges (one per tensor) are registered on a thread of
+their own while the first ones' copies run; it is undone as soon as the copies are
+done, so nothing stays pinned (`rankexec._pin` says how).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import warnings
 from collections.abc import Mapping
@@ -33,7 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from rankexec import _pin
+from rankexec._pin import PinError
 from rankexec._rankexec import Blob, SharedBuffer
+
+#: Threads that register host memory in `to_device` while the copies run. One: on the
+#: H100 host measured, 4 threads pinned a 4 GiB state dict slower than one (the kernel's
+#: pinning does not scale there; BENCHMARKS.md, "Host to device").
+_PIN_THREADS = 1
 
 __all__ = ["PinError", "from_blobs", "metadata", "pack", "to_blobs", "to_device", "unpack"]
 
@@ -211,51 +219,11 @@ def from_blobs(blobs: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-class PinError(RuntimeError):
-    """`to_device(..., pin=True)` could not register the tensors' memory as pinned."""
-
-
-#: cudaHostRegisterPortable | cudaHostRegisterReadOnly: pinned for every context, and
-#: without asking for write access (a received memory file is mapped read-only).
-_REGISTER_FLAGS = 1 | 8
-
-
 def pinned_ranges(tensors: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """The page-aligned `(address, length)` ranges holding the CPU tensors' bytes,
-    overlapping and touching ones merged (tensors of one memory file share pages at
-    their edges, and CUDA refuses to register a page twice)."""
-    spans = []
-    for t in tensors.values():
-        if not _is_torch(t) or t.device.type != "cpu" or t.numel() == 0:
-            continue
-        storage = t.untyped_storage()
-        start = storage.data_ptr()
-        end = start + storage.nbytes()
-        spans.append((start - start % mmap.PAGESIZE, -(-end // mmap.PAGESIZE) * mmap.PAGESIZE))
-    merged: list[list[int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b - a) for a, b in merged]
-
-
-def _register(ranges: list[tuple[int, int]], cudart: Any) -> list[int]:
-    """Registers every range; on the first refusal undoes the others and raises
-    `PinError` naming the CUDA error. Returns the registered addresses."""
-    done: list[int] = []
-    for addr, length in ranges:
-        err = cudart.cudaHostRegister(addr, length, _REGISTER_FLAGS)
-        code = int(getattr(err, "value", err))
-        if code != 0:
-            for a in done:
-                cudart.cudaHostUnregister(a)
-            raise PinError(
-                f"cudaHostRegister of {length} bytes at {addr:#x} failed with CUDA error {code}"
-            )
-        done.append(addr)
-    return done
+    """The page-aligned `(address, length)` ranges `to_device` registers for the CPU
+    tensors' bytes, in address order: one per tensor, those sharing a page merged (CUDA
+    refuses to register a page twice)."""
+    return [(a, n) for a, n, _ in _pin.groups(tensors)]
 
 
 def to_device(
@@ -282,16 +250,14 @@ def to_device(
         if pin:
             raise PinError(f"no CUDA runtime to register host memory with: {e}") from e
         return {k: t.to(dev) for k, t in tensors.items()}
-    try:
-        registered = _register(pinned_ranges(tensors), cudart)
-    except PinError:
-        if pin:
-            raise
-        return {k: t.to(dev) for k, t in tensors.items()}
-    try:
-        out = {k: t.to(dev, non_blocking=True) for k, t in tensors.items()}
-        torch.cuda.synchronize(dev)  # the copies read the pages until here
-    finally:
-        for addr in registered:
-            cudart.cudaHostUnregister(addr)
-    return out
+    api = _pin.loaded_cudart(cudart)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _pin.copy_pinned(
+        tensors,
+        api,
+        lambda t: t.to(dev, non_blocking=True),
+        lambda: torch.cuda.synchronize(dev),
+        bind=lambda: torch.cuda.set_device(index),  # no context made on another GPU
+        strict=bool(pin),
+        threads=min(_PIN_THREADS, os.cpu_count() or 1),
+    )

@@ -6,13 +6,17 @@
   copy-on-write view are copied (their bytes as the rank saw them).
 - ``SharedBuffer.write_at``: the bytes land in the buffer's own file; refused past the
   end and once sealed.
-- ``rankexec.tensors.to_device``: CPU tensors pass through, overlapping ranges are
-  registered once, a refused registration is undone and named, and without a GPU
-  ``pin=True`` raises ``PinError`` while the default falls back.
+- ``rankexec.tensors.to_device``: CPU tensors pass through; ranges are one per tensor,
+  those sharing a page registered once; every registration is undone after the copies,
+  after a refusal (named, or the range copied from pageable memory) and after a copy
+  that raised; without a GPU ``pin=True`` raises ``PinError`` while the default falls
+  back.
 """
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
 
 import numpy as np
@@ -74,39 +78,95 @@ def test_write_at_fills_the_buffers_own_file_and_refuses_past_the_end_and_once_s
         buf.write_at(0, b"x")
 
 
+class FakeCudart:
+    """Stands in for the CUDA runtime's two calls where no GPU is (the real ones run in
+    scripts/gpu_check.py h2d): records each range, refuses the addresses in `refuse`
+    with cudaErrorHostMemoryAlreadyRegistered, and refuses a page registered twice."""
+
+    def __init__(self, refuse=()) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.live: dict[int, int] = {}
+        self.threads: set[int] = set()
+        self.refuse = set(refuse)
+
+    def cudaHostRegister(self, addr, length, flags):
+        import threading
+
+        assert flags == 9 and length % 4096 == 0 and addr % 4096 == 0
+        with self.lock:
+            self.threads.add(threading.get_ident())
+            if addr in self.refuse or any(
+                a < addr + length and addr < a + n for a, n in self.live.items()
+            ):
+                return 712
+            self.live[addr] = length
+        return 0
+
+    def cudaHostUnregister(self, addr):
+        with self.lock:
+            assert self.live.pop(addr, None) is not None, "unregistered twice"
+        return 0
+
+
 def test_to_device_passes_cpu_tensors_and_falls_back_without_a_gpu(monkeypatch):
     torch = pytest.importorskip("torch")
-    from rankexec import tensors
+    from rankexec import _pin, tensors
 
-    base = torch.arange(3 * 4096, dtype=torch.uint8)
-    sd = {"x": base[:100], "y": base[5000:9000], "z": torch.ones(10)}
+    page = 4096
+    mem = mmap.mmap(-1, 4 * page)  # page-aligned, as a memory file's mapping is
+    base = torch.frombuffer(mem, dtype=torch.uint8)
+    # x and w share base's first page; y starts on the next one; z is its own storage.
+    sd = {
+        "x": base[:100],
+        "w": base[200:300],
+        "y": base[page + 904 : 3 * page],
+        "z": torch.ones(10),
+    }
     same = tensors.to_device(sd, "cpu")
     assert all(same[k] is sd[k] for k in sd)
-    ranges = tensors.pinned_ranges(sd)
-    page = 4096
-    assert (base.data_ptr() - base.data_ptr() % page) in [a for a, _ in ranges]
-    assert len(ranges) == 2, "x and y share one storage: one range for both"
+    groups = _pin.groups(sd)
+    first = base.data_ptr() - base.data_ptr() % page
+    assert (first, page, ["w", "x"]) in groups, "x and w share a page: one range"
+    assert sorted(n for _, _, names in groups for n in names) == ["w", "x", "y", "z"]
+    assert all(a + n <= b for (a, n, _), (b, _, _) in itertools.pairwise(groups))
+    assert tensors.pinned_ranges(sd) == [(a, n) for a, n, _ in groups]
 
-    class Refuses:
-        def __init__(self) -> None:
-            self.registered: list[int] = []
-            self.unregistered: list[int] = []
+    # Every range registered (by several threads), each tensor copied once, all undone.
+    api = FakeCudart()
+    copied: list[int] = []
+    out = _pin.copy_pinned(
+        sd,
+        api,
+        lambda t: copied.append(t.data_ptr()) or t.clone(),
+        lambda: None,
+        strict=True,
+        threads=4,
+    )
+    assert list(out) == list(sd) and all(torch.equal(out[k], sd[k]) for k in sd)
+    assert len(copied) == len(sd) and api.live == {}
 
-        def cudaHostRegister(self, addr, length, flags):
-            assert flags == 9 and length % page == 0 and addr % page == 0
-            if self.registered:
-                return 712  # cudaErrorHostMemoryAlreadyRegistered
-            self.registered.append(addr)
-            return 0
-
-        def cudaHostUnregister(self, addr):
-            self.unregistered.append(addr)
-            return 0
-
-    fake = Refuses()
+    # A refused range: strict raises naming it, after undoing the others; the default
+    # copies that range's tensors from pageable memory.
+    y_range = next(a for a, _, names in groups if names == ["y"])
+    api = FakeCudart(refuse={y_range})
     with pytest.raises(tensors.PinError, match="CUDA error 712"):
-        tensors._register(ranges, fake)
-    assert fake.unregistered == fake.registered, "a refusal undoes the others"
+        _pin.copy_pinned(sd, api, lambda t: t.clone(), lambda: None, strict=True, threads=4)
+    assert api.live == {}, "a refusal undoes the others"
+    out = _pin.copy_pinned(sd, api, lambda t: t.clone(), lambda: None, strict=False, threads=4)
+    assert all(torch.equal(out[k], sd[k]) for k in sd) and api.live == {}
+
+    # A copy that raises (a CUDA error, say) leaves nothing registered either.
+    def broken(t):
+        raise RuntimeError("copy failed")
+
+    api = FakeCudart()
+    with pytest.raises(RuntimeError, match="copy failed"):
+        _pin.copy_pinned(sd, api, broken, lambda: None, strict=False, threads=4)
+    assert api.live == {}
+    with pytest.raises(tensors.PinError, match="CUDA error 712"):
+        _pin.register_all([(first, page), (first, page)], FakeCudart())
     if torch.cuda.is_available():
         return  # the GPU path is measured by scripts/gpu_check.py h2d
     with pytest.raises(tensors.PinError):
