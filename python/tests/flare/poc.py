@@ -278,3 +278,23 @@ def numpy_job_without_custom_code(root: Path, site_component: Path, rounds: int 
             wf["args"]["num_rounds"] = rounds
     server_cfg.write_text(json.dumps(server, indent=2))
     return job
+
+
+def log_dir_of(pid: int) -> str:
+    """The `RANKEXEC_LOG_DIR=...` entry of a rank's environment ("" once it is gone):
+    the folder names the job, so it tells whose rank a pid is."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return ""
+    for var in env.split(b"\0"):
+        if var.startswith(b"RANKEXEC_LOG_DIR="):
+            return var.decode(errors="replace")
+    return ""
+
+
+def assert_completed(d: Poc, job_id: str, meta: dict) -> None:
+    """The job finished as completed and no site logged an error."""
+    assert meta.get("status") == "FINISHED:COMPLETED", json.dumps(meta, indent=1)[:3000]
+    bad = {k: v for k, v in d.error_logs(job_id).items() if v.strip()}
+    assert not bad, json.dumps(bad, indent=1)[:6000]

@@ -44,7 +44,7 @@ import docrun
 import pytest
 
 from .flare_helpers import REPO, rank_pids, wait_until
-from .poc import START_CAP_S, Poc, numpy_job_without_custom_code
+from .poc import START_CAP_S, Poc, assert_completed, log_dir_of, numpy_job_without_custom_code
 
 JOB_CAP_S = float(os.environ.get("RANKEXEC_POC_JOB_CAP", "240"))
 CLIENT_API = REPO / "examples" / "flare" / "client-api" / "jobs" / "rankexec"
@@ -139,24 +139,7 @@ def rank_log_says(poc: Poc, job_id: str, site: str, text: str) -> bool:
 
 def job_rank_pids(poc: Poc, job_id: str, site: str | None = None) -> list[int]:
     where = poc.job_dir(site, job_id) if site else poc.ws
-    return [p for p in rank_pids(where) if job_id in _log_dir(p)]
-
-
-def _log_dir(pid: int) -> str:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return ""
-    for var in env.split(b"\0"):
-        if var.startswith(b"RANKEXEC_LOG_DIR="):
-            return var.decode(errors="replace")
-    return ""
-
-
-def assert_completed(poc: Poc, job_id: str, meta: dict) -> None:
-    assert meta.get("status") == "FINISHED:COMPLETED", json.dumps(meta, indent=1)[:3000]
-    bad = {k: v for k, v in poc.error_logs(job_id).items() if v.strip()}
-    assert not bad, json.dumps(bad, indent=1)[:6000]
+    return [p for p in rank_pids(where) if job_id in log_dir_of(p)]
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ import numpy as np
 import pytest
 
 from .flare_helpers import REPO, rank_pids, wait_until
-from .poc import START_CAP_S, Poc
+from .poc import START_CAP_S, Poc, assert_completed, log_dir_of
 
 JOB_CAP_S = float(os.environ.get("RANKEXEC_POC_JOB_CAP", "240"))
 CLIENT_API = REPO / "examples" / "flare" / "client-api" / "jobs" / "rankexec"
@@ -196,18 +196,7 @@ def rank_log_says(d: Provisioned, job_id: str, site: str, text: str) -> bool:
 
 
 def job_rank_pids(d: Provisioned, job_id: str) -> list[int]:
-    return [p for p in rank_pids(d.ws) if job_id in _log_dir(p)]
-
-
-def _log_dir(pid: int) -> str:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return ""
-    for var in env.split(b"\0"):
-        if var.startswith(b"RANKEXEC_LOG_DIR="):
-            return var.decode(errors="replace")
-    return ""
+    return [p for p in rank_pids(d.ws) if job_id in log_dir_of(p)]
 
 
 def run_job(d: Provisioned, job: Path) -> tuple[str, dict, float]:
@@ -216,12 +205,6 @@ def run_job(d: Provisioned, job: Path) -> tuple[str, dict, float]:
     job_id = d.submit(job)
     meta = d.wait_status(job_id, "FINISHED", JOB_CAP_S)
     return job_id, meta, time.monotonic() - t0
-
-
-def assert_completed(d: Provisioned, job_id: str, meta: dict) -> None:
-    assert meta.get("status") == "FINISHED:COMPLETED", json.dumps(meta, indent=1)[:3000]
-    bad = {k: v for k, v in d.error_logs(job_id).items() if v.strip()}
-    assert not bad, json.dumps(bad, indent=1)[:6000]
 
 
 @pytest.fixture(scope="module")
