@@ -11,8 +11,10 @@ function, the module-level names it uses and its fixtures' functions must name t
 file's path, or every part of it as string literals); a test that builds the path
 some other way is not recognised and the include is refused, never wrongly accepted.
 A run-in block's "the test reads it" is read from the test's source the same way (a
-``console(PAGE, ID)``/``log_lines(PAGE, ID)``/``statements(PAGE, ID)`` call with
-literal arguments); that the
+``console(PAGE, ID)``/``log_lines(PAGE, ID)``/``statements(PAGE, ID)``/``config(PAGE,
+ID)`` call with literal arguments; for a Rust test, a ``console("PAGE", "ID")`` call in
+the body of its ``#[test] fn``, found by matching braces, so a brace inside a string
+literal of that function can hide or misplace its end); that the
 test then runs every step is the test's part, not checked here.
 """
 
@@ -31,8 +33,8 @@ DOCS = REPO / "docs"
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)[^\n]*$")
 MARKER = re.compile(r"^\s*<!--\s*([a-z-]+)(?::\s*(.*?))?\s*-->\s*$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
-# `<!-- run-in: ID by path/to/test.py::test_name -->`
-RUN_IN = re.compile(r"([a-z0-9-]+) by (\S+\.py)::(\w+)")
+# `<!-- run-in: ID by path/to/test.py::test_name -->` (or a Rust test: `tests/x.rs::name`)
+RUN_IN = re.compile(r"([a-z0-9-]+) by (\S+\.(?:py|rs))::(\w+)")
 
 #: What each kind means (the names `counts()` uses).
 KINDS = {
@@ -116,7 +118,11 @@ def kind(b: Block) -> str:
         return "tour"
     if mk == "excerpt" and arg:
         return "excerpt"
-    if mk == "run-in" and RUN_IN.fullmatch(arg) and b.lang in ("console", "text", "python"):
+    if (
+        mk == "run-in"
+        and RUN_IN.fullmatch(arg)
+        and b.lang in ("console", "text", "python", *DATA_LANGS)
+    ):
         return "run-in"
     if mk == "run-by" and arg and SNIPPET.match(b.text.strip()):
         return "include"
@@ -308,6 +314,18 @@ def excerpt_parts(b: Block) -> list[tuple[str, str]]:
     return [(paths[0], "\n".join(old)), (paths[1], "\n".join(new))]
 
 
+def excerpt_source(b: Block, rel: str, source: str) -> str:
+    """The text an excerpt of `rel` is checked against: the file's, with the block's own
+    lines (its fences included) blanked when `rel` is the block's own page, so that a
+    block is never found as an excerpt of itself."""
+    if rel != b.rel:
+        return source
+    lines = source.split("\n")
+    first = b.line - 1
+    last = first + len(b.text.split("\n")) + 1  # the closing fence
+    return "\n".join("" if first <= i <= last else x for i, x in enumerate(lines))
+
+
 def copy_of_the_checkout(dest: Path) -> Path:
     """The tracked files as they are in the working tree: what a fresh clone holds,
     with the edits not yet committed."""
@@ -346,8 +364,8 @@ for where, code in json.load(sys.stdin):
 
 
 def run_in_calls(test_file: Path, test_name: str) -> set[tuple[str, str]]:
-    """(page, id) of every `console(...)`/`log_lines(...)`/`statements(...)` call with
-    literal arguments in the test function and in the module-level names and fixtures
+    """(page, id) of every `console(...)`/`log_lines(...)`/`statements(...)`/`config(...)`
+    call with literal arguments in the test function and in the module-level names and fixtures
     it uses."""
     text = _function_text(test_file, test_name)
     if text is None:
@@ -358,11 +376,29 @@ def run_in_calls(test_file: Path, test_name: str) -> set[tuple[str, str]]:
             continue
         f = node.func
         name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-        if name in ("console", "log_lines", "statements") and len(node.args) >= 2:
+        if name in ("console", "log_lines", "statements", "config") and len(node.args) >= 2:
             a, b = node.args[:2]
             if isinstance(a, ast.Constant) and isinstance(b, ast.Constant):
                 out.add((str(a.value), str(b.value)))
     return out
+
+
+def rust_run_in_calls(test_file: Path, test_name: str) -> set[tuple[str, str]]:
+    """(page, id) of every `console("PAGE", "ID")` call with literal arguments in the
+    body of the Rust `#[test] fn test_name` (a Rust test parses the block itself)."""
+    text = test_file.read_text()
+    m = re.search(rf"#\[test\]\s*(?:#\[[^\]]*\]\s*)*fn {test_name}\s*\(", text)
+    if not m:
+        return set()
+    start = text.index("{", m.end())
+    depth, i = 0, start
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            break
+        i += 1
+    body = text[start : i + 1]
+    return set(re.findall(r'\bconsole\(\s*"([^"]+)"\s*,\s*"([^"]+)"\s*\)', body))
 
 
 def check_run_in(b: Block) -> str | None:
@@ -373,9 +409,11 @@ def check_run_in(b: Block) -> str | None:
     block_id, path, name = m.groups()
     if not (REPO / path).is_file():
         return f"run-in: {path} does not exist"
-    if (b.rel, block_id) not in run_in_calls(REPO / path, name):
+    calls = rust_run_in_calls if path.endswith(".rs") else run_in_calls
+    if (b.rel, block_id) not in calls(REPO / path, name):
         return (
             f"run-in: {path}::{name} does not read this block "
-            f'(docrun.console("{b.rel}", "{block_id}"), log_lines(...) or statements(...))'
+            f'(docrun.console("{b.rel}", "{block_id}"), log_lines(...), statements(...) '
+            "or config(...))"
         )
     return None

@@ -3,15 +3,16 @@
 as argv with the test's declared substitutions, ``run()`` runs one with a deadline,
 ``Step.check()`` compares what it printed with the console notation, and
 ``log_lines()``/``missing_lines()`` check a ```text block of log lines against a run's
-logs, and ``statements()`` gives a ```python block's top-level statements for the test
-to execute in order (a deployment's admin-API block).
+logs, ``statements()`` gives a ```python block's top-level statements for the test
+to execute in order (a deployment's admin-API block), and ``config()`` gives a config
+block (a part of a file the reader writes) for the test to write and use.
 
 Why: a FLARE simulation or a torch job takes a minute; CI runs it once, in the test
 that checks what it does, and that test runs the page's commands, so the page cannot
 drift from what CI ran (``test_docs.py`` checks that the named test reads the block).
 
 Caveats: only one program per command (no pipes, `&&` except a leading `cd DIR &&`,
-no shell variables); substitutions are made once, in one pass; a log line matches
+no shell variables; leading `NAME=value` words are the step's `env`); substitutions are made once, in one pass; a log line matches
 anywhere within one line of the log (what comes before it is not compared).
 """
 
@@ -24,10 +25,19 @@ import shlex
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from docblocks import REPO, RUN_IN, Block, blocks, check_output, line_pattern, parse_console
+from docblocks import (
+    DATA_LANGS,
+    REPO,
+    RUN_IN,
+    Block,
+    blocks,
+    check_output,
+    line_pattern,
+    parse_console,
+)
 
 # Substitutions are declared by the test and are the only ones: `tmp=` moves every
 # `/tmp/NAME` path of the block into the test's folder, `wheel=` stands for the wheel's
@@ -74,12 +84,14 @@ def substitute(
 class Step:
     """One `$ ` command of a block: its argv (`shlex` split; `python` and the venv's
     tools resolved to the test's interpreter), the folder it runs in (the repository
-    root, or where a leading `cd DIR &&` goes), its exit code and its expected lines."""
+    root, or where a leading `cd DIR &&` goes), its exit code, its expected lines and
+    the variables its leading `NAME=value` words set (the test adds them to its env)."""
 
     argv: list[str]
     cwd: Path
     code: int
     expected: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # its leading `NAME=value` words
 
     def check(self, rc: int, out: str) -> str | None:
         """None when the exit code and the output are the ones the page shows."""
@@ -99,16 +111,32 @@ def console(
 ) -> list[Step]:
     """The commands of a run-in ```console block, with the test's substitutions; `cwd`:
     the folder the page says they run from (the repository root unless it says)."""
-    b = run_in_block(page, block_id)
+    return steps(run_in_block(page, block_id), tmp=tmp, wheel=wheel, paths=paths, cwd=cwd)
+
+
+def steps(
+    b: Block,
+    *,
+    tmp: Path | None = None,
+    wheel: Path | None = None,
+    paths: dict[str, Path] | None = None,
+    cwd: Path = REPO,
+) -> list[Step]:
+    """The steps of a ```console block (what `console()` gives for the page's block)."""
     assert b.lang == "console", f"{b.where} is not a ```console block"
     bindir = Path(sys.executable).parent
-    steps = []
+    out = []
     for cmd, code, expected in parse_console(b.text):
         argv = shlex.split(substitute(cmd, tmp, wheel, paths), comments=True)
         where = cwd
         if argv[:1] == ["cd"]:
             assert argv[2:3] == ["&&"], f"{b.where}: `cd DIR && COMMAND`, or no cd"
             where, argv = cwd / argv[1], argv[3:]
+        env = {}
+        while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):  # `NAME=value COMMAND`
+            name, _, value = argv.pop(0).partition("=")
+            env[name] = value
+        assert argv, f"{b.where}: no command after the variables: {cmd!r}"
         assert not {"&&", "||", ";", "|", ">", "<"} & set(argv), (
             f"{b.where}: a run-in command is one program and its arguments: {cmd!r}"
         )
@@ -121,8 +149,8 @@ def console(
         elif argv[0].startswith("target/"):  # the build's, wherever CARGO_TARGET_DIR puts it
             argv[0] = str(TARGET / argv[0].removeprefix("target/"))
         want = [substitute(x, tmp, wheel, paths) for x in expected]
-        steps.append(Step(argv, where, code, want))
-    return steps
+        out.append(Step(argv, where, code, want, env))
+    return out
 
 
 def _descendants(root: int) -> list[int]:
@@ -147,7 +175,7 @@ def run(
     """Runs a step in a session of its own, its output (stdout and stderr) into `log`;
     past `timeout` it and every process descended from it are SIGKILLed and the test
     fails. Returns the exit code and the output."""
-    env = dict(os.environ if env is None else env)
+    env = dict(os.environ if env is None else env) | step.env
     env["PATH"] = os.pathsep.join(
         [str(TARGET / "release"), str(Path(sys.executable).parent), env.get("PATH", "")]
     )
@@ -197,6 +225,17 @@ def statements(
     assert b.lang == "python", f"{b.where} is not a ```python block"
     text = substitute(b.text, tmp, None, paths)
     return [ast.get_source_segment(text, node) or "" for node in ast.parse(text).body]
+
+
+def config(
+    page: str, block_id: str, *, tmp: Path | None = None, paths: dict[str, Path] | None = None
+) -> str:
+    """The text of a run-in config block (```toml, ```json or ```yaml: a part of a file the
+    reader writes, such as their crate's `[dependencies]`), with the test's substitutions;
+    the test writes it where the page says it goes and runs the tool it configures."""
+    b = run_in_block(page, block_id)
+    assert b.lang in DATA_LANGS, f"{b.where} is not a config block ({', '.join(DATA_LANGS)})"
+    return substitute(b.text, tmp, None, paths)
 
 
 def execute(stmt: str, ns: dict, where: str) -> object:

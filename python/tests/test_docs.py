@@ -20,6 +20,7 @@ RUST_ERRORS); a new enum users can meet must be added there.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import itertools
@@ -34,6 +35,7 @@ import tomllib
 from collections import Counter
 from pathlib import Path
 
+import docrun
 import pytest
 import yaml
 from docblocks import (
@@ -50,6 +52,7 @@ from docblocks import (
     check_run_in,
     copy_of_the_checkout,
     excerpt_parts,
+    excerpt_source,
     kind,
     parse_console,
 )
@@ -150,7 +153,7 @@ def test_excerpts_are_verbatim() -> None:
             path = REPO / rel
             if not path.is_file():
                 bad.append(f"{b.where}: excerpt of {rel}, which does not exist")
-            elif why := check_excerpt(text, path.read_text()):
+            elif why := check_excerpt(text, excerpt_source(b, rel, path.read_text())):
                 bad.append(f"{b.where}: not an excerpt of {rel}: {why}")
     assert not bad, "\n\n".join(bad)
 
@@ -284,6 +287,12 @@ def test_the_notation() -> None:
     assert check_excerpt("a = 1\n...\nc = 3", src) is None
     assert check_excerpt("a = 1\nc = 3", src) is not None
     assert check_excerpt("c = 3\n...\na = 1", src) is not None
+    # An excerpt of its own page is looked for in the page's other lines, never in itself.
+    own = Block(REPO / "README.md", 3, "console", "$ x", ("excerpt", "README.md"))
+    page = "a\n\n```console\n$ x\n```\nb\n"
+    assert check_excerpt(own.text, excerpt_source(own, "README.md", page)) is not None
+    assert check_excerpt(own.text, excerpt_source(own, "README.md", page + "$ x\n")) is None
+    assert excerpt_source(own, "docs/index.md", page) == page
     # run-in: log lines match within a line; the substitutions are made once.
     assert missing_lines(["a [..] c"], "2026 INFO a b c\n") == []
     assert missing_lines(["a [..] d"], "2026 INFO a b c\n") == ["a [..] d"]
@@ -305,6 +314,19 @@ def test_the_notation() -> None:
     assert check_run_in(Block(page, 1, "python", "x = 1", marker)) is not None
     ns: dict = {}
     assert execute("x = 2", ns, "here") is None and execute("x + 1", ns, "here") == 3
+    # A console run-in step: `cd DIR &&`, then `NAME=value` words (its env), then argv.
+    b = Block(page, 1, "console", "$ cd x && A=1 B='c d' python y.py /tmp/z  # or w\n...", None)
+    (step,) = docrun.steps(b, tmp=Path("/w"))
+    assert step.argv == [sys.executable, "y.py", "/w/z"] and step.cwd == REPO / "x", step
+    assert step.env == {"A": "1", "B": "c d"} and step.expected == ["..."], step
+    # A Rust test reads a block through its own `console("PAGE", "ID")` call.
+    mpi = ("run-in", "mpi by tests/mpi.rs::the_guides_mpi_command_runs_as_shown")
+    assert check_run_in(Block(REPO / "docs" / "gpus-launchers.md", 1, "console", "", mpi)) is None
+    other = ("run-in", "mpi by tests/mpi.rs::mpirun_trains_to_the_stated_accuracy_and_tears_down")
+    assert check_run_in(Block(REPO / "docs" / "gpus-launchers.md", 1, "console", "", other))
+    assert check_run_in(Block(page, 1, "console", "", mpi)) is not None  # another page
+    # A run-in config block (a part of a file the reader writes) is one too.
+    assert kind(Block(page, 1, "toml", "[dependencies]", marker)) == "run-in"
 
 
 @pytest.mark.parametrize("block", CONSOLE, ids=[b.where for b in CONSOLE])
@@ -340,6 +362,89 @@ def test_python_blocks(page: Path, tmp_path: Path) -> None:
                 f"{b.where}: the output {prev.where} printed is not the one shown: {why}; "
                 f"it printed:\n{printed.get(prev.where, '')}"
             )
+
+
+def test_a_crate_of_your_own_resolves_the_guides_dependencies(tmp_path: Path) -> None:
+    """docs/development.md's `[dependencies]` for a worker binary of your own, as shown:
+    in a crate beside a checkout of rankexec (`../rankexec`, here a link to this one),
+    cargo resolves them offline (the crates' names, their paths and versions, serde's
+    feature), and the crates it finds are this checkout's."""
+    deps = docrun.config("docs/development.md", "your-crate")
+    crate = tmp_path / "my-worker"
+    (crate / "src").mkdir(parents=True)
+    (tmp_path / "rankexec").symlink_to(REPO)
+    (crate / "src" / "main.rs").write_text("fn main() {}\n")
+    (crate / "Cargo.toml").write_text(
+        '[package]\nname = "my-worker"\nversion = "0.1.0"\nedition = "2021"\n\n' + deps
+    )
+    argv = ["cargo", "metadata", "--offline", "--format-version", "1"]
+    p = subprocess.run(
+        [*argv, "--manifest-path", str(crate / "Cargo.toml")],
+        check=False,
+        cwd=REPO,  # rust-toolchain.toml's toolchain
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert p.returncode == 0, f"cargo metadata refused the guide's [dependencies]:\n{p.stderr}"
+    found = {
+        pkg["name"]: Path(pkg["manifest_path"]).resolve().parent
+        for pkg in json.loads(p.stdout)["packages"]
+    }
+    assert found.get("rankexec-protocol") == REPO / "protocol", found
+    assert found.get("rankexec-sub-worker") == REPO / "sub_worker", found
+    assert "serde" in found, found
+
+
+def test_the_gpu_check_runs_as_shown(tmp_path: Path) -> None:
+    """docs/testing.md's `scripts/gpu-check.sh` command, as shown (its `/tmp/` is the
+    test's): it prints what the page shows and writes its summary where `OUT` says.
+    Without a GPU it takes seconds (every GPU check is SKIPPED); with one, minutes."""
+    (step,) = docrun.console("docs/testing.md", "gpu-check", tmp=tmp_path)
+    rc, out = docrun.run(step, tmp_path / "gpu-check.out", timeout=600)
+    assert (why := step.check(rc, out)) is None, f"{why}; it printed:\n{out}"
+    assert (Path(step.env["OUT"]) / "gpu-check" / "summary.txt").is_file(), step.env
+
+
+def test_a_short_flake_check_runs_as_shown(tmp_path: Path) -> None:
+    """docs/testing.md's short `scripts/flake-check.sh` run, as shown: one Python file
+    once idle and once loaded, and the table it ends with (about 10 s)."""
+    (step,) = docrun.console("docs/testing.md", "short-check")
+    rc, out = docrun.run(step, tmp_path / "flake-check.out", timeout=300)
+    assert (why := step.check(rc, out)) is None, f"{why}; it printed:\n{out}"
+
+
+# Set in the docs test that test_the_commands_before_a_commit_run_as_shown starts.
+NESTED = "RANKEXEC_DOCS_TEST_NESTED"
+
+
+def test_the_commands_before_a_commit_run_as_shown(tmp_path: Path) -> None:
+    """The commands docs/CONVENTIONS.md and docs/development.md give for checking the
+    guide by hand, read from the pages and run as shown (their `target/site` in the
+    test's folder): `mkdocs build --strict`, this very file's `python -m pytest ... -q`,
+    run for real once (in that run this test alone skips, or it would start itself again
+    without end: about 40 s), and `python scripts/gen-config-docs.py`, in a copy of the
+    checkout, where the page it writes must be the committed one."""
+    if os.environ.get(NESTED):
+        pytest.skip("inside the docs test that the guide's own block started: not again")
+    paths = {"target/site": tmp_path / "site"}
+    conv = docrun.console("docs/CONVENTIONS.md", "before-a-commit", paths=paths)
+    dev = docrun.console("docs/development.md", "by-hand", paths=paths)
+    assert [s.argv for s in conv] == [s.argv for s in dev[:2]], "the pages' two commands differ"
+    assert conv[1].argv[1:4] == ["-m", "pytest", "python/tests/test_docs.py"], conv[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {NESTED: "1"}
+    for i, (step, same) in enumerate(zip(conv, dev)):
+        rc, out = docrun.run(step, tmp_path / f"step-{i}.out", timeout=900, env=env)
+        for where, s in (("docs/CONVENTIONS.md", step), ("docs/development.md", same)):
+            assert (why := s.check(rc, out)) is None, f"{where}: {why}; it printed:\n{out[-4000:]}"
+    copy = copy_of_the_checkout(tmp_path / "rankexec")
+    (copy / "target").symlink_to(TARGET)  # the release build the script reads the schema from
+    (gen,) = dev[2:]
+    gen = dataclasses.replace(gen, cwd=copy)
+    rc, out = docrun.run(gen, tmp_path / "gen.out", timeout=COMMAND_TIMEOUT_S, env=env)
+    assert (why := gen.check(rc, out)) is None, f"docs/development.md: {why}; it printed:\n{out}"
+    page = "docs/configuration.md"
+    assert (copy / page).read_text() == (REPO / page).read_text(), f"{page} is not what it writes"
 
 
 # --- links -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import docrun
 import pytest
 
 from .flare_helpers import REPO, SIM_CAP_S, assert_no_errors, rank_pids, run_capped, site_log
@@ -56,40 +57,54 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
+def _steps(tmp: Path, example: Path, ws: Path) -> list[docrun.Step]:
+    """The guide's two commands (docs/flare-jobs.md, read from the page): its `/tmp/`
+    is `tmp`, its workspace `ws`, and its example folder `example`."""
+    paths = {"examples/flare/hf-sft": example, "/tmp/hf-sft/ws": ws}
+    steps = docrun.console("docs/flare-jobs.md", "hf-sft", tmp=tmp, paths=paths)
+    assert len(steps) == 2, steps
+    return steps
+
+
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, Path]:
-    """The model folder and the data root, as ``prepare_model.py`` writes them."""
+def prepared(tmp_path_factory) -> Path:
+    """The folder that stands for the guide's `/tmp/`, with the model and the records
+    the guide's ``prepare_model.py`` command writes in it."""
     from nvflare.fuel.utils.gpu_utils import get_host_gpu_ids
 
     gpus = get_host_gpu_ids()
     if 0 < len(gpus) < 4:
         pytest.skip(f"FLARE's simulator refuses --gpu [0,1],[2,3] on a host with {len(gpus)} GPUs")
     tmp = tmp_path_factory.mktemp("hf-sft")
-    model, data = tmp / "model", tmp / "data"
-    cmd = [sys.executable, str(EXAMPLE / "prepare_model.py"), "--model_dir", str(model)]
-    cmd += ["--data_path", str(data), "--client_ids", *SITES]
-    run_capped(cmd, tmp, _env(tmp), tmp / "prepare.out", 120)
-    return model, data
+    step = _steps(tmp, EXAMPLE, tmp / "unused")[0]
+    assert step.argv[1:2] == [str(EXAMPLE / "prepare_model.py")], step
+    out = run_capped(step.argv, step.cwd, _env(tmp) | step.env, tmp / "prepare.out", 120)
+    assert (why := step.check(0, out)) is None, why
+    return tmp
 
 
 @pytest.mark.parametrize("mode", ["SFT", "PEFT"])
 def test_flare_s_llm_hf_example_trains_with_ddp_on_rank_groups(prepared, tmp_path, mode):
     import torch
 
-    model_dir, data = prepared
     app = tmp_path / "hf-sft"
     shutil.copytree(EXAMPLE, app, ignore=shutil.ignore_patterns("__pycache__"))
-    env = _env(tmp_path)
     root = tmp_path / "ws"
+    # The guide's command, FLARE's README command for two sites of two GPUs each (the GPU
+    # groups and ports only shape the torchrun command that use_rank_groups drops; on a
+    # host without GPUs the simulator takes the groups as they are), in `mode` (the page:
+    # "# or --train_mode PEFT").
+    step = _steps(prepared, app, root)[1]
+    cmd = list(step.argv)
+    assert cmd[1:2] == ["job.py"] and step.cwd == app, step
+    assert cmd[cmd.index("--train_mode") + 1] == "SFT", cmd
+    cmd[cmd.index("--train_mode") + 1] = mode
+    assert cmd[cmd.index("--num_rounds") + 1] == str(ROUNDS), cmd
+    assert cmd[cmd.index("--client_ids") + 1 : cmd.index("--num_rounds")] == list(SITES), cmd
+    env = _env(tmp_path) | step.env
     env["NVFLARE_SIMULATOR_WORKSPACE_ROOT"] = str(root)  # the same as --workspace_dir
-    # FLARE's README command for two sites of two GPUs each (the GPU groups and ports
-    # only shape the torchrun command that use_rank_groups drops; on a host without GPUs
-    # the simulator takes the groups as they are).
-    cmd = [sys.executable, "job.py", "--client_ids", *SITES, "--num_rounds", str(ROUNDS)]
-    cmd += ["--train_mode", mode, "--model_name_or_path", str(model_dir)]
-    cmd += ["--data_path", str(data), "--workspace_dir", str(root)]
-    cmd += ["--gpu", "[0,1],[2,3]", "--ports", "7777", "8888"]
-    output = run_capped(cmd, app, env, tmp_path / "job.out", 2 * SIM_CAP_S)
+    output = run_capped(cmd, step.cwd, env, tmp_path / "job.out", 2 * SIM_CAP_S)
+    assert (why := step.check(0, output)) is None, why
 
     ws = root / f"llm_hf_{mode.lower()}"
     assert_no_errors(ws)
