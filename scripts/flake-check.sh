@@ -35,6 +35,11 @@
 # the fast Python tests idle + loaded); on 2 cores the Rust suite alone takes about 7
 # minutes idle and 12 loaded, so `--rust` with a list of test targets is how a short
 # check is made.
+#
+# RANKEXEC_DRY_RUN=1: parse the arguments as usual and check them (N, the venv, each
+# `--test TARGET` of --rust names a test target, each path of --python exists), print
+# one `dry run: ...` line per run it would make, in order, and exit 0 without running
+# anything or writing a log (python/tests/test_docs.py runs docs/testing.md's commands so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,7 +59,7 @@ while [ "$#" -gt 0 ]; do
         --rust) [ "$#" -ge 2 ] || die "--rust needs arguments"; RUST_ARGS="$2"; shift 2 ;;
         --python) [ "$#" -ge 2 ] || die "--python needs arguments"; PY_ARGS="$2"; shift 2 ;;
         --busy) [ "$#" -ge 2 ] || die "--busy needs a number"; BUSY_ARGS=(--busy "$2"); shift 2 ;;
-        -h | --help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         -*) die "unknown option '$1' (see --help)" ;;
         *) [ -z "$N" ] || die "one N only"; N="$1"; shift ;;
     esac
@@ -75,11 +80,44 @@ fi
 if [ "$PY" = 1 ]; then
     [ -x "$TARGET/venv/bin/python" ] || die "no venv at $TARGET/venv: run scripts/test.sh once first"
 fi
+DRY="${RANKEXEC_DRY_RUN:-0}"
+if [ "$DRY" = 1 ]; then
+    # What a typo would only show minutes into the check: a test target or a path that
+    # is not there, a --busy that is not a number.
+    case "${BUSY_ARGS[1]:-1}" in '' | *[!0-9]*) die "--busy needs a number, not '${BUSY_ARGS[1]}'" ;; esac
+    # shellcheck disable=SC2206  # word lists on purpose
+    words=($RUST_ARGS)
+    for ((k = 0; k < ${#words[@]}; k++)); do
+        if [ "${words[k]}" = --test ]; then
+            t="${words[k + 1]:-}"
+            compgen -G "tests/$t.rs" >/dev/null || compgen -G "*/tests/$t.rs" >/dev/null \
+                || die "--rust: no test target '$t' (tests/$t.rs)"
+        fi
+    done
+    # shellcheck disable=SC2206
+    words=($PY_ARGS)
+    for w in "${words[@]}"; do
+        case "$w" in -*) continue ;; */* | *.py) [ -e "${w%%::*}" ] || die "--python: no such path '$w'" ;; esac
+    done
+else
+    OUT="$TARGET/flake-check/$(date -u +%Y%m%dT%H%M%SZ)"
+    mkdir -p "$OUT"
+    FAILS="$OUT/failures.tsv" # test <TAB> idle|loaded
+    : >"$FAILS"
+fi
 
-OUT="$TARGET/flake-check/$(date -u +%Y%m%dT%H%M%SZ)"
-mkdir -p "$OUT"
-FAILS="$OUT/failures.tsv" # test <TAB> idle|loaded
-: >"$FAILS"
+# The command of a SUITE's runs (rust|python), into CMD.
+suite_cmd() {
+    if [ "$1" = rust ]; then
+        # shellcheck disable=SC2206  # RUST_ARGS is a word list on purpose
+        CMD=(cargo test $RUST_ARGS)
+    else
+        # shellcheck disable=SC2206
+        # Three files at once, as scripts/test.sh runs them (RANKEXEC_PYTEST_WORKERS).
+        CMD=(python -m pytest -q -rfE -p no:cacheprovider
+            -n "${RANKEXEC_PYTEST_WORKERS:-3}" --dist loadfile $PY_ARGS)
+    fi
+}
 
 # The failures one run's log names, one per line.
 rust_failures() {
@@ -106,19 +144,10 @@ run_one() {
     log="$OUT/$suite-$mode-$i.log"
     tag="flake-$suite-$mode-$i-$$"
     [ "$mode" = idle ] && load=(--idle) || load=("${BUSY_ARGS[@]}")
-    local cmd
-    if [ "$suite" = rust ]; then
-        # shellcheck disable=SC2206  # RUST_ARGS is a word list on purpose
-        cmd=(cargo test $RUST_ARGS)
-    else
-        # shellcheck disable=SC2206
-        # Three files at once, as scripts/test.sh runs them (RANKEXEC_PYTEST_WORKERS).
-        cmd=(python -m pytest -q -rfE -p no:cacheprovider
-            -n "${RANKEXEC_PYTEST_WORKERS:-3}" --dist loadfile $PY_ARGS)
-    fi
-    say "$suite $mode run $i/$N: ${cmd[*]} (log $log)"
+    suite_cmd "$suite"
+    say "$suite $mode run $i/$N: ${CMD[*]} (log $log)"
     set +e
-    RXTEST_SUITE="$tag" scripts/load-test.sh "${load[@]}" -- "${cmd[@]}" >"$log" 2>&1
+    RXTEST_SUITE="$tag" scripts/load-test.sh "${load[@]}" -- "${CMD[@]}" >"$log" 2>&1
     rc=$?
     set -e
     tail -n 1 "$log" >&2
@@ -166,9 +195,17 @@ for i in $(seq "$N"); do
     for suite in rust python; do
         [ "$suite" = rust ] && [ "$RUST" = 0 ] && continue
         [ "$suite" = python ] && [ "$PY" = 0 ] && continue
-        for mode in idle loaded; do run_one "$suite" "$mode" "$i"; done
+        for mode in idle loaded; do
+            if [ "$DRY" = 1 ]; then
+                suite_cmd "$suite"
+                echo "dry run: $suite $mode run $i/$N: ${CMD[*]}"
+            else
+                run_one "$suite" "$mode" "$i"
+            fi
+        done
     done
-    table "$i" >"$OUT/table.txt"
+    [ "$DRY" = 1 ] || table "$i" >"$OUT/table.txt"
 done
+[ "$DRY" = 1 ] && exit 0
 cat "$OUT/table.txt"
 [ ! -s "$FAILS" ]

@@ -47,6 +47,12 @@ Usage (from the repository root, in the venv with nvflare 2.9.0, torch and ranke
         --clients 2 --ranks 2 --rounds 3 --impl flare,rankexec --out results.jsonl
 
 Prints a JSON line per run and a table; ``--out`` appends the lines to a file.
+
+``RANKEXEC_DRY_RUN=1``: the arguments are parsed and checked as for a run (each of
+``--impl`` is ``flare`` or ``rankexec``, the example's ``job.py`` and ``--script``'s file
+exist, ``--out``'s folder exists), one ``dry run: ...`` line per run it would make is
+printed, and it exits 0 without running anything (python/tests/test_docs.py runs
+docs/large-models-scripts.md's commands so).
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 RANK_UP = 200 << 20
 #: ``--script``: the file that replaces the example's ``client.py`` in the job.
 SCRIPTS = {"inplace": Path(__file__).resolve().parent / "inplace_client.py"}
+#: ``--impl``: whose executor runs the job (the example's ``job.py --executor``).
+IMPLS = ("flare", "rankexec")
 PROBE = re.compile(r"BENCH (\w+) (\d+) ([\d.]+)")
 
 
@@ -649,6 +657,24 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dry_run(p: argparse.ArgumentParser, args: argparse.Namespace, impls: list[str]) -> int:
+    """``RANKEXEC_DRY_RUN=1``: checks what a run would use and prints one line per run."""
+    script = EXAMPLE / "client.py" if args.script == "example" else SCRIPTS[args.script]
+    for need in (EXAMPLE / "job.py", script):
+        if not need.is_file():
+            p.error(f"{need} is missing")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        p.error(f"--out {args.out}: no such folder")
+    for impl in impls:
+        print(
+            f"dry run: {impl}: nvflare simulator, {args.clients} client(s) x {args.ranks} ranks, "
+            f"{args.rounds} rounds, a {args.size} B {args.layout} model in {args.dtype}, "
+            f"share {args.share}, script {script.name}, label {args.label!r}"
+            + (f", appended to {args.out}" if args.out else "")
+        )
+    return 0
+
+
 def main() -> int:
     sys.path.insert(0, str(EXAMPLE))
     from gpt_shape import parse_size
@@ -677,10 +703,15 @@ def main() -> int:
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder")
     args = p.parse_args()
+    impls = args.impl.split(",")
+    if bad := sorted(set(impls) - set(IMPLS)):
+        p.error(f"--impl: unknown {bad}: choose from {','.join(IMPLS)}")
+    if os.environ.get("RANKEXEC_DRY_RUN") == "1":
+        return dry_run(p, args, impls)
     root = Path(tempfile.mkdtemp(prefix="rankexec-lm-bench-"))
     results = []
     try:
-        for impl in args.impl.split(","):
+        for impl in impls:
             r = run_one(args, impl, root)
             print(json.dumps(r), flush=True)
             results.append(r)

@@ -44,6 +44,12 @@ Usage (from the repository root, in the venv with nvflare 2.9, torch and rankexe
 Prints a JSON line per run and a table; ``--out`` appends the lines to a file. A watchdog
 stops a run (its own processes, by pid) when ``MemAvailable`` falls under ``--min-avail``
 GiB and the record says so.
+
+``RANKEXEC_DRY_RUN=1``: the arguments are parsed and checked as for a run (``--ways``
+from the five above, ``--ranks`` numbers, the example's ``job.py`` there, ``--out``'s
+folder there), one ``dry run: ...`` line per simulation it would run (each rank count's
+baseline, then each way) is printed, and it exits 0 without running anything
+(python/tests/test_docs.py runs docs/sharded-training.md's commands so).
 """
 
 from __future__ import annotations
@@ -234,10 +240,29 @@ def main() -> None:
     bad = sorted(set(ways) - set(WAYS))
     if bad:
         raise SystemExit(f"unknown ways {bad}: choose from {WAYS}")
+    try:
+        rank_counts = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise SystemExit(f"--ranks {args.ranks}: numbers, as 2,4") from None
+    if os.environ.get("RANKEXEC_DRY_RUN") == "1":
+        if not (EXAMPLE / "job.py").is_file():
+            raise SystemExit(f"{EXAMPLE / 'job.py'} is missing")
+        if args.out and not args.out.resolve().parent.is_dir():
+            raise SystemExit(f"--out {args.out}: no such folder")
+        extra = "" if args.mmap_threshold is None else f", mmap threshold {args.mmap_threshold}"
+        for ranks in rank_counts:
+            for size, way in [(args.base_size, "shards (baseline)")] + [
+                (args.size, w) for w in ways
+            ]:
+                print(
+                    f"dry run: {ranks} ranks, {way}, a {size} B model, {args.rounds} rounds of "
+                    f"{args.steps} steps{extra}" + (f", appended to {args.out}" if args.out else "")
+                )
+        return
 
     root = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
     rows = []
-    for ranks in (int(r) for r in args.ranks.split(",")):
+    for ranks in rank_counts:
         base = run_one(args.base_size, ranks, "shards", args, root)
         base["role"] = "baseline"
         print(json.dumps(base), flush=True)

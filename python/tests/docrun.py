@@ -12,8 +12,11 @@ that checks what it does, and that test runs the page's commands, so the page ca
 drift from what CI ran (``test_docs.py`` checks that the named test reads the block).
 
 Caveats: only one program per command (no pipes, `&&` except a leading `cd DIR &&`,
-no shell variables; leading `NAME=value` words are the step's `env`); substitutions are made once, in one pass; a log line matches
-anywhere within one line of the log (what comes before it is not compared).
+no shell variables; leading `NAME=value` words are the step's `env`), unless the test
+asks for ``console(..., shell=True)``: then each command, a loop included, is run
+whole by ``bash -c`` as the page shows it; substitutions are made once, in one pass; a
+log line matches anywhere within one line of the log (what comes before it is not
+compared).
 """
 
 from __future__ import annotations
@@ -85,13 +88,17 @@ class Step:
     """One `$ ` command of a block: its argv (`shlex` split; `python` and the venv's
     tools resolved to the test's interpreter), the folder it runs in (the repository
     root, or where a leading `cd DIR &&` goes), its exit code, its expected lines and
-    the variables its leading `NAME=value` words set (the test adds them to its env)."""
+    the variables its leading `NAME=value` words set (the test adds them to its env);
+    `cmd` is the command as the page shows it (its `\\` line ends kept), substitutions
+    made. With `shell=True` the argv is `bash -e -c CMD` and the env empty (bash reads
+    the `NAME=value` words itself)."""
 
     argv: list[str]
     cwd: Path
     code: int
     expected: list[str]
     env: dict[str, str] = field(default_factory=dict)  # its leading `NAME=value` words
+    cmd: str = ""
 
     def check(self, rc: int, out: str) -> str | None:
         """None when the exit code and the output are the ones the page shows."""
@@ -108,10 +115,14 @@ def console(
     wheel: Path | None = None,
     paths: dict[str, Path] | None = None,
     cwd: Path = REPO,
+    shell: bool = False,
 ) -> list[Step]:
     """The commands of a run-in ```console block, with the test's substitutions; `cwd`:
-    the folder the page says they run from (the repository root unless it says)."""
-    return steps(run_in_block(page, block_id), tmp=tmp, wheel=wheel, paths=paths, cwd=cwd)
+    the folder the page says they run from (the repository root unless it says);
+    `shell`: each command whole through `bash -c` (a loop, a `;`), as the docs test runs
+    a ```console block."""
+    b = run_in_block(page, block_id)
+    return steps(b, tmp=tmp, wheel=wheel, paths=paths, cwd=cwd, shell=shell)
 
 
 def steps(
@@ -121,12 +132,21 @@ def steps(
     wheel: Path | None = None,
     paths: dict[str, Path] | None = None,
     cwd: Path = REPO,
+    shell: bool = False,
 ) -> list[Step]:
     """The steps of a ```console block (what `console()` gives for the page's block)."""
     assert b.lang == "console", f"{b.where} is not a ```console block"
     bindir = Path(sys.executable).parent
     out = []
     for cmd, code, expected in parse_console(b.text):
+        want = [substitute(x, tmp, wheel, paths) for x in expected]
+        # As shown: parse_console joined a `\` line end and the next line with a newline.
+        shown = substitute(cmd, tmp, wheel, paths).replace("\n", "\\\n")
+        if shell:
+            # -e: a failing command inside a loop fails the step (the loop's status is its
+            # last command's alone).
+            out.append(Step(["bash", "-e", "-c", shown], cwd, code, want, {}, shown))
+            continue
         argv = shlex.split(substitute(cmd, tmp, wheel, paths), comments=True)
         where = cwd
         if argv[:1] == ["cd"]:
@@ -148,8 +168,7 @@ def steps(
             argv[0] = str(bindir / argv[0])
         elif argv[0].startswith("target/"):  # the build's, wherever CARGO_TARGET_DIR puts it
             argv[0] = str(TARGET / argv[0].removeprefix("target/"))
-        want = [substitute(x, tmp, wheel, paths) for x in expected]
-        out.append(Step(argv, where, code, want, env))
+        out.append(Step(argv, where, code, want, env, shown))
     return out
 
 

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tomllib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docrun
@@ -319,6 +320,11 @@ def test_the_notation() -> None:
     (step,) = docrun.steps(b, tmp=Path("/w"))
     assert step.argv == [sys.executable, "y.py", "/w/z"] and step.cwd == REPO / "x", step
     assert step.env == {"A": "1", "B": "c d"} and step.expected == ["..."], step
+    # shell=True: the command whole, as shown (its `\` line ends kept), through bash -e.
+    loop = "$ for x in 1 2; do \\\n  echo $x; \\\ndone\n1\n2"
+    (step,) = docrun.steps(Block(page, 1, "console", loop, None), shell=True)
+    assert step.argv == ["bash", "-e", "-c", "for x in 1 2; do \\\n  echo $x; \\\ndone"], step
+    assert step.cmd == step.argv[3] and step.expected == ["1", "2"], step
     # A Rust test reads a block through its own `console("PAGE", "ID")` call.
     mpi = ("run-in", "mpi by tests/mpi.rs::the_guides_mpi_command_runs_as_shown")
     assert check_run_in(Block(REPO / "docs" / "gpus-launchers.md", 1, "console", "", mpi)) is None
@@ -416,6 +422,80 @@ def test_a_short_flake_check_runs_as_shown(tmp_path: Path) -> None:
 
 # Set in the docs test that test_the_commands_before_a_commit_run_as_shown starts.
 NESTED = "RANKEXEC_DOCS_TEST_NESTED"
+
+# The guide's commands that take minutes to hours, by page and block: each script they
+# run plans without running when RANKEXEC_DRY_RUN=1 (its header says what it checks).
+DRY_RUN = {"RANKEXEC_DRY_RUN": "1"}
+
+
+def _run_steps(where: str, steps: list[docrun.Step], log: Path, env: dict[str, str]) -> None:
+    for i, step in enumerate(steps):
+        rc, out = docrun.run(step, log.with_suffix(f".{i}.out"), timeout=COMMAND_TIMEOUT_S, env=env)
+        assert (why := step.check(rc, out)) is None, (
+            f"{where}: `{step.cmd}`: {why}; it printed:\n{out}"
+        )
+
+
+def test_the_long_commands_run_dry_as_shown(tmp_path: Path) -> None:
+    """The benchmarks behind BENCHMARKS.md (docs/benchmarks.md's `scripts/bench-all.sh`
+    and `benchmarks/tables.py`, docs/large-models-scripts.md's loop, docs/sharded-training.md's
+    three runs) and docs/testing.md's three flake checks, each command read from the page
+    and run as shown (`bash -c`, from the repository root, the loop included) with
+    RANKEXEC_DRY_RUN=1: each script parses and checks its arguments as for a real run,
+    prints what it would run and exits 0, so a flag, a choice or a file a page names that
+    is gone fails here (tables.py runs for real, on the committed records). The four blocks
+    run at once (each script imports torch: about 3 s a command). Skipped in the nested docs
+    test: the outer one runs it."""
+    if os.environ.get(NESTED):
+        pytest.skip("inside the docs test that the guide's own block started: the outer runs it")
+    blocks = {
+        "docs/benchmarks.md": docrun.console("docs/benchmarks.md", "bench-all", shell=True),
+        "docs/large-models-scripts.md": docrun.console(
+            "docs/large-models-scripts.md", "large-model-runs", shell=True
+        ),
+        "docs/sharded-training.md": docrun.console(
+            "docs/sharded-training.md", "fsdp-runs", shell=True
+        ),
+        "docs/testing.md": docrun.console("docs/testing.md", "flake-checks", shell=True),
+    }
+    env = dict(os.environ) | DRY_RUN
+    with ThreadPoolExecutor(len(blocks)) as pool:
+        done = [
+            pool.submit(_run_steps, page, steps, tmp_path / Path(page).stem, env)
+            for page, steps in blocks.items()
+        ]
+    for f in done:
+        f.result()
+
+
+def test_the_flare_test_commands_run_as_shown(tmp_path: Path) -> None:
+    """docs/flare-jobs.md's commands for the FLARE tests by hand, read from the page and
+    run as shown in this environment (cargo's toolchain is found through HOME, which a
+    ```console block of the docs test does not keep): the release build (nothing to do
+    after scripts/test.sh's) and one file of python/tests/flare, whose tests must pass
+    (about 5 s; the whole folder is what scripts/test.sh runs). Skipped in the nested
+    docs test: the outer one runs it."""
+    if os.environ.get(NESTED):
+        pytest.skip("inside the docs test that the guide's own block started: the outer runs it")
+    steps = docrun.console("docs/flare-jobs.md", "flare-tests")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    _run_steps("docs/flare-jobs.md", steps, tmp_path / "flare", env)
+
+
+def test_installing_from_a_checkout_runs_as_shown(tmp_path: Path) -> None:
+    """docs/rank-code.md's install from a checkout, read from the page and run as shown in
+    this venv: both `pip install` commands with pip's own dry run (`PIP_DRY_RUN=1`: pip
+    resolves and says what it would install, and builds `./python`'s metadata with the
+    venv's maturin, `PIP_NO_BUILD_ISOLATION=0`, so nothing is fetched or installed), the
+    cargo build for real (nothing to do after scripts/test.sh's). Skipped in the nested
+    docs test: the outer one runs it."""
+    if os.environ.get(NESTED):
+        pytest.skip("inside the docs test that the guide's own block started: the outer runs it")
+    steps = docrun.console("docs/rank-code.md", "from-a-checkout")
+    pip = {"PIP_DRY_RUN": "1", "PIP_NO_BUILD_ISOLATION": "0"}
+    assert [s.argv[1:2] for s in steps] == [["install"], ["install"], ["build"]], steps
+    env = dict(os.environ) | pip
+    _run_steps("docs/rank-code.md", steps, tmp_path / "install", env)
 
 
 def test_the_commands_before_a_commit_run_as_shown(tmp_path: Path) -> None:
