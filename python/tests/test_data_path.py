@@ -62,6 +62,32 @@ def test_views_of_the_input_go_back_as_the_input_file_and_others_are_copied(tmp_
     assert bytes(r.blobs["bf16"]) == want.numpy().tobytes(), "bfloat16 travels as its bytes"
 
 
+def test_a_large_input_and_a_ranks_large_copies_are_written_to_several_files_at_once(tmp_path):
+    """320 MiB in four arrays: the host writes them into two memory files of two
+    consecutive arrays each, at once (one file takes one write at a time); the rank's
+    views go back as those files, and its 640 MiB of copies go out in several files."""
+    cfg = executor_config("views:SendViews", 1, log_dir=tmp_path)
+    names = "abcd"
+    blobs = {n: np.full(80 * MIB, i + 1, dtype=np.uint8) for i, n in enumerate(names)}
+    with RankGroup(cfg, workspace=str(tmp_path)) as g:
+        r = g.execute("t", {}, blobs)
+    inodes = r.meta["inodes"]
+    assert len(set(inodes.values())) == 2, inodes
+    assert inodes["a"] == inodes["b"] != inodes["c"] == inodes["d"], "consecutive arrays"
+    copies = set()
+    for i, n in enumerate(names):
+        got = r.blobs[n]
+        assert os.fstat(got.fileno).st_ino == inodes[n], f"{n}: the input's own file"
+        assert (np.frombuffer(got, dtype=np.uint8) == i + 1).all(), n
+        tail = r.blobs[n + ".tail"]
+        assert len(tail) == 80 * MIB - 1 and (np.frombuffer(tail, dtype=np.uint8) == i + 1).all()
+        cow = np.frombuffer(r.blobs[n + ".cow"], dtype=np.uint8)
+        assert cow[0] == 99 and (cow[1:] == i + 1).all()
+        copies |= {os.fstat(r.blobs[n + k].fileno).st_ino for k in (".tail", ".cow")}
+    assert len(copies) > 1, "the rank's 640 MiB of copies in more than one file"
+    assert not copies & set(inodes.values())
+
+
 def test_write_at_fills_the_buffers_own_file_and_refuses_past_the_end_and_once_sealed():
     buf = SharedBuffer(3 * 4096 + 5)
     inode = buf.inode

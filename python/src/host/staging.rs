@@ -13,8 +13,10 @@
 //! that forks (multiprocessing, DataLoader workers) between tasks would otherwise keep
 //! the file from being sealed. See `os` for the fallback when it still cannot be.
 //!
-//! Every large blob of one input goes into one memory file, each at a page-aligned
-//! offset: a model of hundreds of tensors passes one descriptor, not one per tensor.
+//! The large blobs of one input go into one memory file, each at a page-aligned
+//! offset: a model of hundreds of tensors passes one descriptor, not one per tensor. An
+//! input of 256 MiB and more goes into up to 4 files of consecutive blobs, written at
+//! once by as many threads (`Blob::copied_many`: the kernel writes one file at a time).
 //!
 //! Caveats: Linux only (`memfd_create` and seals). A prepared file holds its memory
 //! while idle, so only inputs up to [`PREPARE_MAX`] bytes are prepared: above that, a

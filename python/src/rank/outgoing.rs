@@ -2,7 +2,8 @@
 //! none at all when a buffer is a view of the task's own input.
 //!
 //! - [`copy_buffers`]: every large buffer of a reply (or of `rankexec._rankexec.share`)
-//!   goes into one sealed memory file, each at a page-aligned offset, written with
+//!   goes into one sealed memory file (up to 4, written at once, from 256 MiB), each at a
+//!   page-aligned offset, written with
 //!   `pwrite` ([`Blob::copied_many`](rankexec_protocol::Blob::copied_many)): the kernel's
 //!   shmem write path takes no page fault and zeroes no page, where filling a fresh
 //!   mapping faults once per 4 KiB page (about twice the time on this project's VM).
@@ -48,8 +49,9 @@ pub(crate) fn input_view(buf: &PyBuffer<u8>, inputs: &[RBlob]) -> Option<RBlob> 
     })
 }
 
-/// Copies `bufs` (C-contiguous byte buffers) into one sealed memory file, each at a
-/// page-aligned offset, with `pwrite`; one blob per buffer, in order.
+/// Copies `bufs` (C-contiguous byte buffers) into sealed memory files (one, or up to 4
+/// from 256 MiB), each at a page-aligned offset, with `pwrite`; one blob per buffer, in
+/// order.
 pub(crate) fn copy_buffers(py: Python<'_>, bufs: &[&PyBuffer<u8>]) -> PyResult<Vec<RBlob>> {
     let mut parts: Vec<(usize, usize)> = Vec::with_capacity(bufs.len());
     for buf in bufs {
