@@ -13,6 +13,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::console::{console, output_matches};
 use common::*;
 use nix::sys::signal::{Signal as Sig, kill};
 use nix::unistd::Pid;
@@ -291,85 +292,6 @@ fn abort_stops_every_rank_at_the_same_step() {
     assert!(child_pids().is_empty(), "no child left: {:?}", child_pids());
 }
 
-/// One `$ ` command of a guide block, with its exit code and the lines it must print.
-struct DocStep {
-    cmd: String,
-    code: i32,
-    lines: Vec<String>,
-}
-
-/// The `$ ` commands of the ```` ```console ```` block of `page` marked `<!-- run-in: ID
-/// by tests/mpi.rs::... -->` (docs/CONVENTIONS.md, "Run in a test"; python/tests/
-/// test_docs.py checks that the test it names reads it through this call).
-fn console(page: &str, id: &str) -> Vec<DocStep> {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(page)).unwrap();
-    let marker = format!("<!-- run-in: {id} by tests/mpi.rs::");
-    let at = text
-        .find(&marker)
-        .unwrap_or_else(|| panic!("{page} marks no block {marker}"));
-    let mut lines = text[at..]
-        .lines()
-        .skip(1)
-        .skip_while(|l| l.trim().is_empty());
-    assert_eq!(
-        lines.next().map(str::trim),
-        Some("```console"),
-        "{page}: {id}"
-    );
-    let mut steps: Vec<DocStep> = Vec::new();
-    for line in lines.take_while(|l| !l.trim_start().starts_with("```")) {
-        if let Some(cmd) = line.strip_prefix("$ ") {
-            assert!(!cmd.ends_with('\\'), "{page}: {id}: one line per command");
-            let (cmd, code, lines) = (cmd.to_owned(), 0, Vec::new());
-            steps.push(DocStep { cmd, code, lines });
-        } else if let Some(step) = steps.last_mut() {
-            match line.trim().strip_prefix("? ").map(str::parse::<i32>) {
-                Some(Ok(code)) if step.lines.is_empty() => step.code = code,
-                _ if line.trim().is_empty() => {}
-                _ => step.lines.push(line.to_owned()),
-            }
-        } else {
-            panic!("{page}: {id}: output before the first `$ ` command: {line:?}");
-        }
-    }
-    steps
-}
-
-/// Whether `got` is the shown line: `[..]` stands for any text (the guide's notation).
-fn line_matches(want: &str, got: &str) -> bool {
-    let parts: Vec<&str> = want.trim_end().split("[..]").collect();
-    let got = got.trim_end();
-    let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if parts.len() == 1 {
-        return first == got;
-    }
-    if !got.starts_with(first) || got.len() < first.len() + last.len() || !got.ends_with(last) {
-        return false;
-    }
-    let mut rest = &got[first.len()..got.len() - last.len()];
-    for part in &parts[1..parts.len() - 1] {
-        match rest.find(part) {
-            Some(i) => rest = &rest[i + part.len()..],
-            None => return false,
-        }
-    }
-    true
-}
-
-/// Whether the output is the shown lines, in order, nothing between them except where
-/// a line `...` stands (any lines, none included).
-fn output_matches(want: &[String], got: &[&str]) -> bool {
-    match want.split_first() {
-        None => got.is_empty(),
-        Some((w, rest)) if w.trim() == "..." => {
-            (0..=got.len()).any(|k| output_matches(rest, &got[k..]))
-        }
-        Some((w, rest)) => {
-            !got.is_empty() && line_matches(w, got[0]) && output_matches(rest, &got[1..])
-        }
-    }
-}
-
 /// docs/gpus-launchers.md's MPI command, read from the page and run as shown, with this
 /// build's `rankexec` (built with the `mpi` feature, as the page's `cargo build` makes
 /// it) for `target/release/rankexec` and first on PATH (the config's worker program);
@@ -380,6 +302,10 @@ fn the_guides_mpi_command_runs_as_shown() {
     let _serial = serial();
     let steps = console("docs/gpus-launchers.md", "mpi");
     assert_eq!(steps.len(), 1, "one command");
+    assert!(
+        steps.iter().all(|s| !s.cmd.contains('\n')),
+        "one line per command"
+    );
     let tmp = tempfile::tempdir().unwrap();
     for step in &steps {
         let argv: Vec<&str> = step.cmd.split_whitespace().collect();

@@ -18,15 +18,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::console::{self, Step, line_matches, output_matches};
 use common::*;
-
-/// One `$ ` command of the tour, with what it must do.
-#[derive(Debug, PartialEq)]
-struct Step {
-    cmd: String,
-    code: i32,
-    lines: Vec<String>,
-}
 
 /// The `$ ` commands of the ```` ```console ```` blocks of the README's tour, in order.
 fn tour_steps(readme: &str) -> Vec<Step> {
@@ -35,74 +28,18 @@ fn tour_steps(readme: &str) -> Vec<Step> {
         .expect("the README has a tour");
     let section = &readme[start..];
     let end = section[3..].find("\n## ").map_or(section.len(), |i| i + 3);
-    let mut steps: Vec<Step> = Vec::new();
+    let mut body: Vec<&str> = Vec::new();
     let mut in_block = false;
-    let mut lines = section[..end].lines();
-    while let Some(line) = lines.next() {
+    for line in section[..end].lines() {
         if !in_block {
             in_block = line.trim_start() == "```console";
-            continue;
-        }
-        if line.trim_start().starts_with("```") {
+        } else if line.trim_start().starts_with("```") {
             in_block = false;
-        } else if let Some(cmd) = line.strip_prefix("$ ") {
-            let mut cmd = cmd.to_owned();
-            while cmd.ends_with('\\') {
-                cmd.pop();
-                cmd.push('\n');
-                cmd.push_str(lines.next().unwrap_or_default());
-            }
-            steps.push(Step {
-                cmd,
-                code: 0,
-                lines: Vec::new(),
-            });
-        } else if let Some(step) = steps.last_mut() {
-            match line.trim().strip_prefix("? ").map(str::parse::<i32>) {
-                Some(Ok(code)) if step.lines.is_empty() => step.code = code,
-                _ if line.trim().is_empty() => {}
-                _ => step.lines.push(line.to_owned()),
-            }
         } else {
-            panic!("README tour: output before the first `$ ` command: {line:?}");
+            body.push(line);
         }
     }
-    steps
-}
-
-/// Whether `got` is the shown line: `[..]` stands for any text.
-fn line_matches(want: &str, got: &str) -> bool {
-    let parts: Vec<&str> = want.trim_end().split("[..]").collect();
-    let got = got.trim_end();
-    if parts.len() == 1 {
-        return parts[0] == got;
-    }
-    let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if !got.starts_with(first) || got.len() < first.len() + last.len() || !got.ends_with(last) {
-        return false;
-    }
-    let mut rest = &got[first.len()..got.len() - last.len()];
-    for part in &parts[1..parts.len() - 1] {
-        match rest.find(part) {
-            Some(i) => rest = &rest[i + part.len()..],
-            None => return false,
-        }
-    }
-    true
-}
-
-/// Whether the output is the shown lines, in order, nothing between them except where
-/// a line `...` stands (any lines, none included).
-fn output_matches(want: &[String], got: &[&str]) -> bool {
-    match want.split_first() {
-        None => got.is_empty(),
-        Some((w, rest)) if w.trim() == "..." => {
-            (0..=got.len()).any(|k| output_matches(rest, &got[k..]))
-        }
-        Some((w, rest)) => {
-            !got.is_empty() && line_matches(w, got[0]) && output_matches(rest, &got[1..])
-        }
-    }
+    console::steps(body, "README tour")
 }
 
 /// cargo's own progress lines, which a reader's cargo prints or not.

@@ -120,20 +120,6 @@ def groups(tensors: Mapping[str, Any]) -> list[tuple[int, int, list[str]]]:
     return [(a, b - a, names) for a, b, names in merged]
 
 
-def register_all(ranges: list[tuple[int, int]], api: Cudart) -> list[int]:
-    """Registers every range, one after the other; on the first refusal undoes the
-    others and raises `PinError` naming the CUDA error. Returns the addresses."""
-    done: list[int] = []
-    for addr, length in ranges:
-        code = code_of(api.cudaHostRegister(addr, length, REGISTER_FLAGS))
-        if code != 0:
-            for a in done:
-                api.cudaHostUnregister(a)
-            raise PinError(refusal(addr, length, code))
-        done.append(addr)
-    return done
-
-
 def refusal(addr: int, length: int, code: int) -> str:
     return f"cudaHostRegister of {length} bytes at {addr:#x} failed with CUDA error {code}"
 

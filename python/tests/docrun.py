@@ -188,6 +188,49 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+def start(argv: list[str], log: Path, *, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`argv` in a session of its own, no stdin, its stdout and stderr into `log`."""
+    with log.open("w") as f:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def finish(p: subprocess.Popen, log: Path, timeout: float, what: str, grace: float = 0) -> int:
+    """`p`'s exit code (started by `start`). Past `timeout` it gets SIGTERM and `grace`
+    seconds first when `grace` is given (a script whose trap stops what it started), then
+    its session's group and every process descended from it get SIGKILL, and the test
+    fails naming `what` and the end of `log`."""
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    if grace:
+        p.terminate()
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    kids = _descendants(p.pid)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait(timeout=30)
+    raise AssertionError(f"{what} ran past {timeout} s:\n{log.read_text()[-4000:]}")
+
+
 def run(
     step: Step, log: Path, timeout: float, env: dict[str, str] | None = None
 ) -> tuple[int, str]:
@@ -198,28 +241,8 @@ def run(
     env["PATH"] = os.pathsep.join(
         [str(TARGET / "release"), str(Path(sys.executable).parent), env.get("PATH", "")]
     )
-    with log.open("w") as f:
-        p = subprocess.Popen(
-            step.argv,
-            cwd=step.cwd,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for pid in [*_descendants(p.pid), p.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait(timeout=30)
-            raise AssertionError(
-                f"`{' '.join(step.argv)}` ran past {timeout} s:\n{log.read_text()[-4000:]}"
-            ) from None
+    p = start(step.argv, log, cwd=step.cwd, env=env)
+    rc = finish(p, log, timeout, f"`{' '.join(step.argv)}`")
     return rc, log.read_text(errors="replace")
 
 

@@ -191,8 +191,6 @@ def test_to_device_passes_cpu_tensors_and_falls_back_without_a_gpu(monkeypatch):
     with pytest.raises(RuntimeError, match="copy failed"):
         _pin.copy_pinned(sd, api, broken, lambda: None, strict=False, threads=4)
     assert api.live == {}
-    with pytest.raises(tensors.PinError, match="CUDA error 712"):
-        _pin.register_all([(first, page), (first, page)], FakeCudart())
     if torch.cuda.is_available():
         return  # the GPU path is measured by scripts/gpu_check.py h2d
     with pytest.raises(tensors.PinError):

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod console;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

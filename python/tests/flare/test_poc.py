@@ -165,22 +165,8 @@ def poc(tmp_path_factory):
     site_steps = REPO / "examples" / "flare" / "poc" / "site-steps.sh"
     out = root / "site-steps.out"
     try:  # whatever fails here, the deployment the script may have started is stopped
-        with out.open("w") as f:
-            steps = subprocess.Popen(
-                ["bash", str(site_steps)],
-                cwd=root,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            try:
-                rc = steps.wait(timeout=START_CAP_S + 180)
-            except subprocess.TimeoutExpired:
-                os.killpg(steps.pid, signal.SIGKILL)  # its own session: the script, its children
-                steps.wait(timeout=30)
-                pytest.fail(f"{site_steps} ran past its deadline:\n{out.read_text()[-4000:]}")
+        steps = docrun.start(["bash", str(site_steps)], out, cwd=root, env=env)
+        rc = docrun.finish(steps, out, START_CAP_S + 180, str(site_steps))
         text = out.read_text(errors="replace")
         print(text[-6000:])
         assert rc == 0, f"{site_steps} exited {rc}:\n{text[-4000:]}"

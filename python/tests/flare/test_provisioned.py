@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -232,22 +231,8 @@ def prov(tmp_path_factory):
     out = root / "site-steps.out"
     t0 = time.monotonic()
     try:
-        with out.open("w") as f:
-            steps = subprocess.Popen(
-                ["bash", str(site_steps)],
-                cwd=root,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            try:
-                rc = steps.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                os.killpg(steps.pid, signal.SIGKILL)  # its own session: the script, its children
-                steps.wait(timeout=30)
-                pytest.fail(f"{site_steps} ran past 180 s:\n{out.read_text()[-4000:]}")
+        steps = docrun.start(["bash", str(site_steps)], out, cwd=root, env=env)
+        rc = docrun.finish(steps, out, 180, str(site_steps))
         text = out.read_text(errors="replace")
         assert rc == 0, f"{site_steps} exited {rc}:\n{text[-4000:]}"
         for kit in (SERVER, *d.sites):

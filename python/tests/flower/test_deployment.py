@@ -32,11 +32,11 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import docrun
 import pytest
 
 pytest.importorskip("flwr")
@@ -108,26 +108,9 @@ def test_ddp_digits_keeps_its_ranks_across_rounds(tmp_path: Path) -> None:
     log = tmp_path / "federation.out"
     t0 = time.monotonic()
     try:
-        with log.open("w") as f:
-            p = subprocess.Popen(
-                ["bash", str(script)],
-                cwd=tmp_path,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            try:
-                rc = p.wait(timeout=420)
-            except subprocess.TimeoutExpired:
-                p.terminate()  # the script's trap stops what it started
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(timeout=30)
-                pytest.fail(f"{script} ran past its deadline:\n{log.read_text()[-4000:]}")
+        p = docrun.start(["bash", str(script)], log, cwd=tmp_path, env=env)
+        # Past the deadline: SIGTERM first, the script's trap stops what it started.
+        rc = docrun.finish(p, log, 420, str(script), grace=60)
         text = log.read_text(errors="replace")
         print(text[-3000:])
         assert rc == 0, f"{script} exited {rc}:\n{text[-4000:]}"
@@ -174,24 +157,15 @@ def test_the_federation_script_stops_what_it_started_on_sigterm(tmp_path: Path) 
     }
     log = tmp_path / "federation.out"
     try:
-        with log.open("w") as f:
-            p = subprocess.Popen(
-                ["bash", str(script)],
-                cwd=tmp_path,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            wait_until(
-                lambda: "federation: flwr run pid" in log.read_text() or p.poll() is not None,
-                120,
-                "the script running flwr run",
-            )
-            assert p.poll() is None, log.read_text()[-4000:]
-            p.send_signal(signal.SIGTERM)  # the script only, not its process group
-            rc = p.wait(timeout=90)
+        p = docrun.start(["bash", str(script)], log, cwd=tmp_path, env=env)
+        wait_until(
+            lambda: "federation: flwr run pid" in log.read_text() or p.poll() is not None,
+            120,
+            "the script running flwr run",
+        )
+        assert p.poll() is None, log.read_text()[-4000:]
+        p.send_signal(signal.SIGTERM)  # the script only, not its process group
+        rc = p.wait(timeout=90)
         text = log.read_text(errors="replace")
         print(text[-1500:])
         assert rc == 143, f"{script} exited {rc}:\n{text[-4000:]}"
