@@ -11,11 +11,14 @@
 //!
 //! - [`host`]: host memory and CPU.
 //! - [`ledger`]: the reservation ledger.
+//! - [`ports`]: the group's rendezvous port (`MASTER_PORT`), reserved among this
+//!   user's executors for the group's life.
 //! - [`site`]: GPUs reserved for a whole job by a site's scheduler (FLARE's resource
 //!   manager); a group inside such a grant (`RANKEXEC_GPU_GRANT`) does not count it.
 
 pub mod host;
 pub mod ledger;
+pub mod ports;
 pub mod site;
 
 use std::collections::BTreeMap;
@@ -82,6 +85,9 @@ pub struct Grant {
     pub placement: Option<Placement>,
     /// The ledger entry, released when the group stops.
     pub reservation: Option<Reservation>,
+    /// The rendezvous port, kept from other executors of this user until the group
+    /// stops.
+    pub master_port: Option<ports::PortLease>,
 }
 
 /// The outcome of one admission attempt.
@@ -314,12 +320,15 @@ impl Admission {
                 Placement::Cpu { .. } => {}
             }
         }
-        tracing::info!(placement = %placement.describe(), "admitted");
+        let dir = self.ledger.open_private_dir().ok();
+        let master_port = ports::reserve(dir.as_ref());
+        tracing::info!(placement = %placement.describe(), master_port = master_port.port(), "admitted");
         Ok(Admit::Granted(Grant {
             per_rank,
             common,
             placement: Some(placement),
             reservation,
+            master_port: Some(master_port),
         }))
     }
 }

@@ -313,7 +313,12 @@ impl Dispatcher {
         crate::killswitch::register(&table);
 
         let master_addr = "127.0.0.1".to_owned();
-        let master_port = portpicker::pick_unused_port().unwrap_or(29500);
+        // Reserved at admission among this user's executors (admission::ports): rank 0
+        // binds it only when its code rendezvous, maybe minutes from now.
+        let master_port = match &grant.master_port {
+            Some(lease) => lease.port(),
+            None => portpicker::pick_unused_port().unwrap_or(29500),
+        };
         let mut common: BTreeMap<String, String> = BTreeMap::new();
         common.insert(vars::ENDPOINT.into(), endpoint.to_string());
         common.insert(vars::SECRET.into(), secret.to_hex());

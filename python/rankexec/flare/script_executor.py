@@ -136,6 +136,27 @@ def _stage_in_parts(blobs: dict[str, Any]) -> None:
     blobs.update(staged)
 
 
+def _arrived(params: Any) -> dict[str, Any]:
+    """The sealed memory file slices under the params FLARE downloaded into memory files
+    and nothing has written to since (``rankexec.flare._download``), by name."""
+    if not isinstance(params, dict) or "torch" not in sys.modules:
+        return {}
+    try:
+        from rankexec.flare._download import sealed_slice
+    except ImportError:
+        return {}
+    out = {}
+    for name, value in params.items():
+        blob = sealed_slice(value)
+        if blob is not None:
+            out[name] = blob
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
 class ScriptExecutor(MultiProcessExecutor):
     """Runs a FLARE Client API script on a group of ranks (see the module docs).
 
@@ -164,6 +185,7 @@ class ScriptExecutor(MultiProcessExecutor):
         restart: dict | None = None,
         relay_events: bool | list[str] = False,
         abort_poll_interval: float = 0.005,
+        download_into_memory_files: bool = True,
     ) -> None:
         """A FLARE executor that runs a Client API script on a rank group.
 
@@ -198,6 +220,10 @@ class ScriptExecutor(MultiProcessExecutor):
                 `END_RUN` always reach them. `True` or a list of names relays them.
             abort_poll_interval: how often FLARE's `abort_signal` is checked during a
                 task, in seconds.
+            download_into_memory_files: FLARE's download of a task's torch tensors
+                writes them straight into the memory files the ranks are sent
+                (`rankexec.flare._download`): no decoded copy, no staging copy. False
+                keeps FLARE's own download (decoded into this process, then staged).
         """
         version = getattr(nvflare, "__version__", "?")
         if not str(version).startswith("2.9."):
@@ -224,6 +250,8 @@ class ScriptExecutor(MultiProcessExecutor):
             raise ValueError(f"params_transfer_type must be FULL or DIFF, not {transfer!r}")
         self._params_transfer_type = transfer
         self._all_ranks_receive = bool(all_ranks_receive)
+        self._download_into_files = bool(download_into_memory_files)
+        self._download_installed = False
         self._site = ""
         self._job = ""
         expected = self._server_expected_format
@@ -344,7 +372,31 @@ class ScriptExecutor(MultiProcessExecutor):
                 return
             # Pinned: the policy checks this path and every launch of the group runs it.
             self._script_real = real
+            self._install_download(fl_ctx)
         super().handle_event(event_type, fl_ctx)
+        if event_type == EventType.END_RUN and self._download_installed:
+            from rankexec.flare import _download
+
+            _download.uninstall()
+            self._download_installed = False
+
+    def _install_download(self, fl_ctx: FLContext) -> None:
+        """FLARE's download of task tensors into memory files (see the module docs),
+        where torch is there to decode them."""
+        if not self._download_into_files or self._download_installed:
+            return
+        try:
+            from rankexec.flare import _download
+        except ImportError as e:  # no torch or safetensors: FLARE's own download
+            self.log_info(fl_ctx, f"task tensors are downloaded by FLARE's own consumer ({e})")
+            return
+        self._download_installed = _download.install()
+        if not self._download_installed:
+            self.log_warning(
+                fl_ctx,
+                "FLARE's tensor decomposer is not its own TensorDecomposer here: task "
+                "tensors are downloaded by it and staged",
+            )
 
     def _on_rank_event(self, event: str, rank: int | None, props: dict) -> None:
         if event != LOG_EVENT:
@@ -382,7 +434,11 @@ class ScriptExecutor(MultiProcessExecutor):
         t0 = time.perf_counter()
         try:
             model = FLModelUtils.from_shareable(shareable)
+            # Tensors FLARE downloaded into memory files, unchanged since: the ranks
+            # are sent those files as they are (no staging copy).
+            arrived = _arrived(model.params)
             blobs, specs, values = pack_flat(model.params, "the task's params")
+            blobs.update(arrived)
             fl = {
                 "params_type": plain(model.params_type, "params_type"),
                 "param_specs": specs,
@@ -405,6 +461,8 @@ class ScriptExecutor(MultiProcessExecutor):
         del model
         # Each tensor goes into a memory file and is let go at once, one at a time: the
         # site never holds FLARE's decoded model and the memory files in full at once.
+        in_files = sum(len(b) for b in arrived.values())
+        del arrived
         try:
             _stage_in_parts(blobs)
         except OSError as e:  # refused by the host's memory, naming both sizes
@@ -433,7 +491,8 @@ class ScriptExecutor(MultiProcessExecutor):
         # Where the task's time went (the per-step figures of BENCHMARKS.md's large models).
         self.log_info(
             fl_ctx,
-            f"task {task_name}: staged in {(t1 - t0) * 1e3:.0f} ms, the ranks' task "
+            f"task {task_name}: {_mib(in_files)} MiB arrived in memory files, staged in "
+            f"{(t1 - t0) * 1e3:.0f} ms, the ranks' task "
             f"{(t2 - t1) * 1e3:.0f} ms (rank 0 took its input in "
             f"{float(out.get('rank0_take_s') or 0) * 1e3:.0f} ms), the reply built in "
             f"{(time.perf_counter() - t2) * 1e3:.0f} ms",

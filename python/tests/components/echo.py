@@ -41,3 +41,12 @@ class Sized:
         return rankexec.Shareable(
             meta={"rank": ctx.rank, "pid": os.getpid()}, blobs={"b": b"\x07" * n}
         )
+
+
+class MasterPort:
+    """Returns the rendezvous port its rank was given (`MASTER_PORT`)."""
+
+    def execute(self, task, input, ctx, abort):
+        import os
+
+        return rankexec.Shareable(meta={"port": int(os.environ["MASTER_PORT"])})

@@ -6,7 +6,8 @@ What it checks: the example's own `job.py` runs it (FLARE's Recipe API with
 `use_rank_groups`, FLARE's `SimEnv`), as its README says; both ranks get every tensor as bfloat16 (no upcast on the way
 in); the server's final model has the generator's names, shapes and dtype and equals
 `initial + rounds * delta` exactly (rank 0 updated in bfloat16 and nothing upcast on the
-way out); no error is logged; no rank outlives the job.
+way out); the whole model arrived in the memory files the ranks were sent, as FLARE
+downloaded it (the site log); no error is logged; no rank outlives the job.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .flare_helpers import REPO, assert_no_errors, descendants, rank_pids
+from .flare_helpers import REPO, assert_no_errors, descendants, rank_pids, site_log
 
 EXAMPLE = REPO / "examples" / "flare" / "large-model"
 ROUNDS, DELTA = 2, 0.5
@@ -95,6 +96,12 @@ def test_bf16_model_round_trips_without_upcast(tmp_path, gpt_shape):
         got = re.findall(r"received (\d+) tensors, (\d+) bytes, dtypes (\S+)", text)
         print(f"rank {rank}: {got}")
         assert got == [(str(len(layout)), str(gpt_shape.nbytes(**cfg)), "bfloat16")] * ROUNDS
+    # FLARE's download wrote every tensor straight into the memory files the ranks were
+    # sent (rankexec.flare._download): the whole model arrived there, each round.
+    arrived = re.findall(
+        r"task train: ([\d.]+) MiB arrived in memory files", site_log(ws, "site-1")
+    )
+    assert arrived == [f"{gpt_shape.nbytes(**cfg) / (1 << 20):.1f}"] * ROUNDS, arrived
 
     saved = torch.load(
         ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt", weights_only=False

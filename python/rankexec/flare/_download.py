@@ -1,0 +1,423 @@
+"""FLARE's task tensors written straight into memory files as they are downloaded.
+
+FLARE 2.9 sends a task's torch tensors by reference: the job process downloads them
+from the server one tensor at a time (``TensorDecomposer``, one safetensors item per
+tensor), and its ``TensorConsumer`` decodes each item into a tensor of its own heap. A
+rank group then needs that model in shared memory: a second copy (the staging of
+``ScriptExecutor``), and for that time the model twice on the site.
+
+``install()`` (``ScriptExecutor`` calls it at START_RUN) has FLARE's registered
+tensor decomposer download with ``MemoryFileConsumer`` instead: each item's bytes are
+written (``pwrite``) to a page-aligned place in a memory file as it arrives and the
+item is let go, so FLARE's decoded copy never exists; the files are sealed when the
+download ends. FLARE, and anything else in this process that reads the task, gets
+ordinary writable tensors: copy-on-write mappings of those files (a write copies the
+page it touches, privately; the file does not change). ``sealed_slice(tensor)`` then
+gives the executor the sealed file's slice under a tensor that still shows exactly
+what was downloaded (no page of it written: the kernel's page map says so), which the
+ranks are sent as it is: no staging copy. A tensor that was written to, or that is not
+one of these, is staged as before.
+
+The files are parts of at least 64 MiB, each new one at least half the size of what
+came before (a model of 14 GB arrives in about 16 files, far under the 64 descriptors
+a frame may pass), so that rank 0, which takes its own copy, lets go of the input one
+part at a time.
+
+Caveats: only tensors (``TENSOR_DOWNLOAD``); numpy arrays are decoded by FLARE as
+before. A site that set FLARE's tensor disk offload keeps it (FLARE's own consumer).
+An item in a dtype this module does not know is decoded by safetensors into the heap,
+as FLARE does, and staged. ``install`` sets the ``download`` attribute of FLARE's one
+registered ``TensorDecomposer`` instance (FLARE 2.9 offers no other way to choose a
+download's consumer); ``uninstall`` removes it when the last user is done.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from nvflare.app_opt.pt.tensor_downloader import TensorDownloadable
+from nvflare.fuel.f3.streaming.cacheable import ItemConsumer
+from nvflare.fuel.f3.streaming.download_service import download_object
+from nvflare.fuel.utils import fobs
+from nvflare.fuel.utils.fobs import dots
+from safetensors.torch import load as load_tensors
+
+from rankexec._rankexec import SharedBuffer, trim_heap
+
+__all__ = [
+    "LeanTensorDownloadable",
+    "MemoryFileConsumer",
+    "install",
+    "installed",
+    "sealed_slice",
+    "uninstall",
+]
+
+_PAGE = mmap.PAGESIZE
+#: The least size of a part (its memory file).
+PART_LEAST = 64 << 20
+#: Bytes let go between two trims of the C heap (items under glibc's mmap threshold).
+_TRIM_EVERY = 64 << 20
+
+# safetensors' dtype names (what FLARE's items carry) and torch's.
+_DTYPES: dict[str, Any] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+# ---- where a downloaded tensor's bytes are --------------------------------------------
+
+# data_ptr -> (a weak reference to the tensor made there, the sealed slice under it).
+# An entry counts only while that tensor lives: its mapping, and so the address, is
+# still this file's.
+_ORIGIN: dict[int, tuple[weakref.ref, Any]] = {}
+_ORIGIN_LOCK = threading.Lock()
+
+
+def _remember(t: torch.Tensor, sealed: Any) -> None:
+    ptr = t.data_ptr()
+    entry = (weakref.ref(t), sealed)
+    with _ORIGIN_LOCK:
+        _ORIGIN[ptr] = entry
+
+    def forget() -> None:
+        with _ORIGIN_LOCK:
+            if _ORIGIN.get(ptr) is entry:
+                del _ORIGIN[ptr]
+
+    weakref.finalize(t, forget)
+
+
+def _written(address: int, nbytes: int) -> bool:
+    """Whether any page of ``[address, address + nbytes)`` of a copy-on-write mapping
+    was written (it is then a private, anonymous page, or swapped out) or cannot be
+    told (no page map): the kernel's page map, 8 bytes a page."""
+    if nbytes == 0:
+        return False
+    first, last = address // _PAGE, (address + nbytes - 1) // _PAGE
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            f.seek(first * 8)
+            raw = f.read((last - first + 1) * 8)
+    except OSError:
+        return True
+    if len(raw) != (last - first + 1) * 8:
+        return True
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    present = (entries >> np.uint64(63)) & np.uint64(1)
+    swapped = (entries >> np.uint64(62)) & np.uint64(1)
+    file_page = (entries >> np.uint64(61)) & np.uint64(1)
+    return bool(np.any(swapped) or np.any(present & (file_page ^ np.uint64(1))))
+
+
+def sealed_slice(value: Any) -> Any | None:
+    """The sealed memory file's slice (a ``rankexec.Blob``) that ``value`` shows
+    unchanged, when ``value`` is a CPU tensor this module downloaded (or a contiguous
+    view of all of one) and no page of it was written since; else None."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        return None
+    if not value.is_contiguous():
+        return None
+    ptr = value.data_ptr()
+    with _ORIGIN_LOCK:
+        entry = _ORIGIN.get(ptr)
+    if entry is None:
+        return None
+    ref, sealed = entry
+    original = ref()
+    if original is None or original.data_ptr() != ptr:
+        return None
+    nbytes = value.numel() * value.element_size()
+    if nbytes != len(sealed) or _written(ptr, nbytes):
+        return None
+    return sealed
+
+
+# ---- the consumer -------------------------------------------------------------------------
+
+
+class _Part:
+    """One memory file being filled: its buffer, capacity, and what it holds."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buf = SharedBuffer(capacity)
+        self.capacity = capacity
+        self.filled = 0
+        # (key, offset, nbytes, dtype, shape)
+        self.items: list[tuple[str, int, int, Any, list[int]]] = []
+
+
+def _header(item: Any) -> tuple[dict[str, Any], int]:
+    """A safetensors item's header and where its data starts."""
+    view = memoryview(item)
+    if view.nbytes < 8:
+        raise ValueError("a tensor item of fewer than 8 bytes")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n == 0 or 8 + n > view.nbytes:
+        raise ValueError(f"a tensor item whose header of {n} bytes overruns its {view.nbytes}")
+    header = json.loads(bytes(view[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise TypeError("a tensor item whose header is not a JSON object")
+    return header, 8 + n
+
+
+class MemoryFileConsumer(ItemConsumer):
+    """FLARE's ``TensorConsumer`` in memory files: each item's tensors are written to
+    a part (see the module docs) as they arrive; ``download_completed`` seals the
+    parts and makes ``result`` a dict of copy-on-write tensors over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parts: list[_Part] = []
+        self._written = 0
+        self._heap: dict[str, Any] = {}  # items of a dtype not known here
+        self._since_trim = 0
+        self.in_files = 0  # bytes written to memory files
+
+    def _place(self, nbytes: int) -> tuple[_Part, int]:
+        part = self._parts[-1] if self._parts else None
+        if part is None or _round_up(part.filled) + nbytes > part.capacity:
+            capacity = _round_up(max(PART_LEAST, self._written // 2, nbytes))
+            part = _Part(capacity)
+            self._parts.append(part)
+        at = _round_up(part.filled)
+        part.filled = at + nbytes
+        self._written += nbytes
+        return part, at
+
+    def consume_items(self, items: list[Any], result: Any) -> Any:
+        if not isinstance(items, list):
+            raise TypeError(f"items must be list but got {type(items)}")
+        for item in items:
+            header, start = _header(item)
+            specs = {k: v for k, v in header.items() if k != "__metadata__"}
+            if any(_DTYPES.get(spec.get("dtype")) is None for spec in specs.values()):
+                # A dtype not known here: safetensors decodes it into the heap, as
+                # FLARE's own consumer does; it is staged as before.
+                self._heap.update(load_tensors(bytes(item)))
+                continue
+            with memoryview(item) as view:
+                for key, spec in specs.items():
+                    dtype = _DTYPES[spec["dtype"]]
+                    shape = [int(d) for d in spec.get("shape") or []]
+                    begin, end = (int(x) for x in spec["data_offsets"])
+                    nbytes = end - begin
+                    size = torch.empty((), dtype=dtype).element_size()
+                    if not 0 <= begin <= end <= view.nbytes - start or nbytes != (
+                        int(np.prod(shape, dtype=np.int64)) * size
+                    ):
+                        raise ValueError(
+                            f"tensor {key!r}: data offsets {begin}..{end} do not hold its "
+                            f"shape {shape} of {spec['dtype']} within its item"
+                        )
+                    part, at = self._place(nbytes)
+                    if nbytes:
+                        part.buf.write_at(at, view[start + begin : start + end])
+                    part.items.append((key, at, nbytes, dtype, shape))
+                    self.in_files += nbytes
+                self._since_trim += view.nbytes
+        items.clear()  # the items' bytes go now, not with the next request
+        if self._since_trim >= _TRIM_EVERY:
+            trim_heap()
+            self._since_trim = 0
+        return result
+
+    def download_completed(self, ref_id: str) -> None:
+        super().download_completed(ref_id)
+        out: dict[str, Any] = {}
+        for part in self._parts:
+            sealed = part.buf.seal()
+            cow = sealed.copy_on_write()
+            for key, at, nbytes, dtype, shape in part.items:
+                if nbytes == 0:
+                    out[key] = torch.empty(shape, dtype=dtype)
+                    continue
+                numel = nbytes // torch.empty((), dtype=dtype).element_size()
+                t = torch.frombuffer(cow, dtype=dtype, count=numel, offset=at).view(shape)
+                # torch.frombuffer keeps ``cow`` (the mapping) alive with the tensor.
+                _remember(t, sealed.slice(at, nbytes))
+                out[key] = t
+        out.update(self._heap)
+        self._parts, self._heap = [], {}
+        trim_heap()
+        self.result = out
+
+    def download_failed(self, ref_id: str, reason: str) -> None:
+        # What was written goes with the buffers.
+        self._parts, self._heap = [], {}
+        super().download_failed(ref_id, reason)
+
+
+# ---- the producer of a result --------------------------------------------------------------
+
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _item_of(key: str, t: torch.Tensor) -> bytes:
+    """``t`` as a safetensors item of one tensor, as ``safetensors.torch.save({key:
+    t})`` makes it, built with one copy of its bytes."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    nbytes = t.numel() * t.element_size()
+    spec = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [0, nbytes]}
+    header = json.dumps({key: spec}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    if nbytes == 0:
+        return struct.pack("<Q", len(header)) + header
+    data = t.reshape(-1).view(torch.uint8).numpy().data
+    return b"".join((struct.pack("<Q", len(header)), header, data))
+
+
+class LeanTensorDownloadable(TensorDownloadable):
+    """FLARE's ``TensorDownloadable`` (what the server downloads a result from), each
+    item built with one copy of its tensor (``_item_of``; safetensors' ``save`` makes
+    two) and none built ahead of its request (FLARE's prefetch holds one more item
+    while the one before is sent). The items are the same bytes FLARE's would be, so
+    the server decodes them with its own consumer."""
+
+    def produce_item(self, index: int) -> bytes:
+        key = self.keys[index]
+        base_obj = self.base_obj
+        if base_obj is None:
+            raise RuntimeError(f"item {index} requested after tensors were released")
+        tensor = base_obj[key]
+        if isinstance(tensor, torch.Tensor) and tensor.dtype in _NAMES:
+            return _item_of(key, tensor)
+        return super().produce_item(index)
+
+    def prefetch_item(self, index: int) -> None:
+        return None
+
+
+# ---- FLARE's tensor decomposer, downloading into memory files ----------------------------
+
+_LOCK = threading.Lock()
+_USERS = 0
+
+
+def _into_files(original: Any) -> Any:
+    def download(
+        from_fqcn: str,
+        ref_id: str,
+        per_request_timeout: float,
+        cell: Any,
+        secure: bool = False,
+        optional: bool = False,
+        abort_signal: Any = None,
+        progress_cb: Any = None,
+        fobs_ctx: dict | None = None,
+    ) -> tuple[Any, Any]:
+        ctx = fobs_ctx or {}
+        cell_ctx = cell.get_fobs_context() if hasattr(cell, "get_fobs_context") else {}
+        offload = fobs.FOBSContextKey.TENSOR_DISK_OFFLOAD
+        if ctx.get(offload, cell_ctx.get(offload, False)):
+            # The site chose FLARE's disk offload: FLARE's own consumer.
+            return original(
+                from_fqcn=from_fqcn,
+                ref_id=ref_id,
+                per_request_timeout=per_request_timeout,
+                cell=cell,
+                secure=secure,
+                optional=optional,
+                abort_signal=abort_signal,
+                progress_cb=progress_cb,
+                fobs_ctx=fobs_ctx,
+            )
+        consumer = MemoryFileConsumer()
+        download_object(
+            from_fqcn=from_fqcn,
+            ref_id=ref_id,
+            consumer=consumer,
+            per_request_timeout=per_request_timeout,
+            cell=cell,
+            secure=secure,
+            optional=optional,
+            abort_signal=abort_signal,
+            progress_cb=progress_cb,
+        )
+        return consumer.error, consumer.result
+
+    download.rankexec_original = original  # type: ignore[attr-defined]
+    return download
+
+
+def _lean(items: dict, max_chunk_size: int, fobs_ctx: dict) -> Any:
+    return LeanTensorDownloadable(items, max_chunk_size)
+
+
+def _handler() -> Any:
+    from nvflare.app_opt.pt.decomposers import TensorDecomposer
+
+    fobs.register(TensorDecomposer)
+    handler = fobs.get_dot_handler(dots.TENSOR_DOWNLOAD)
+    return handler if isinstance(handler, TensorDecomposer) else None
+
+
+def install() -> bool:
+    """Has FLARE's tensor decomposer in this process download into memory files (see
+    the module docs); counted, so that each ``install`` is matched by an
+    ``uninstall``. False when FLARE's registered handler is not its own
+    ``TensorDecomposer`` (someone replaced it): nothing is changed then."""
+    global _USERS
+    with _LOCK:
+        handler = _handler()
+        if handler is None:
+            return False
+        if "download" not in vars(handler):
+            handler.download = _into_files(handler.download)
+            handler.to_downloadable = _lean
+        _USERS += 1
+        return True
+
+
+def uninstall() -> None:
+    """Undoes one ``install``; the last one gives FLARE its own download back."""
+    global _USERS
+    with _LOCK:
+        if _USERS == 0:
+            return
+        _USERS -= 1
+        if _USERS:
+            return
+        handler = _handler()
+        if handler is not None and "download" in vars(handler):
+            del handler.download
+            vars(handler).pop("to_downloadable", None)
+
+
+def installed() -> bool:
+    """Whether FLARE's tensor decomposer downloads into memory files now."""
+    with _LOCK:
+        handler = _handler()
+        return handler is not None and "download" in vars(handler)

@@ -1,0 +1,205 @@
+"""FLARE's task tensors downloaded straight into memory files
+(``rankexec.flare._download``), fed by FLARE's own producer (``TensorDownloadable``,
+what a server's ``TensorDecomposer`` serves) through ``CacheableObject.produce``.
+
+What the OS says is what is checked: each tensor is a mapping of a sealed memory file
+(``/proc/self/maps``, ``F_GET_SEALS``), a written page makes a tensor no longer
+count as its file, and the files go with the tensors. The whole way, FLARE's
+download in the real ``nvflare simulator`` included, is
+``test_large_model_example.py`` (its site log names the bytes that arrived in memory
+files, and the server's model is exact).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from nvflare.app_opt.pt.decomposers import TensorDecomposer
+from nvflare.app_opt.pt.tensor_downloader import TensorDownloadable
+from nvflare.fuel.utils import fobs
+from nvflare.fuel.utils.fobs import dots
+
+from rankexec.flare import _download
+from rankexec.flare._download import MemoryFileConsumer, sealed_slice
+
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_WRITE = 0x0008
+
+
+def download(tensors: dict) -> MemoryFileConsumer:
+    """FLARE's producer serves ``tensors`` to one receiver, request by request, as its
+    download service does; the consumer takes each reply."""
+    served = TensorDownloadable(tensors, 2 << 20)
+    served.num_receivers = 1
+    consumer = MemoryFileConsumer()
+    state: dict = {}
+    while True:
+        rc, data, state = served.produce(state, "site-1")
+        if data is None:
+            assert rc == "eof", rc
+            break
+        consumer.consume("ref", state, data)
+    consumer.download_completed("ref")
+    return consumer
+
+
+def memfd_inodes() -> dict[int, str]:
+    """The inodes of the memory files this process maps, and their lines."""
+    out = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/memfd:" in line:
+                out[int(line.split()[4])] = line
+    return out
+
+
+def open_memfd_inodes() -> set[int]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("/memfd:"):
+                out.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            continue
+    return out
+
+
+def mapping_of(address: int) -> int | None:
+    """The inode of the memory file mapped at ``address``, if one is."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/memfd:" not in line:
+                continue
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return int(line.split()[4])
+    return None
+
+
+def test_flares_items_arrive_in_sealed_memory_files_and_read_as_sent():
+    sent = {
+        "T0": torch.randn(1000, 300),
+        "T1": torch.randn(50, 7).to(torch.bfloat16),
+        "T2": torch.arange(10),
+        "T3": torch.zeros(0, 3),
+        "T4": torch.tensor(3.5),
+        "T5": torch.rand(64) > 0.5,
+        "T6": torch.randn(3 << 20).to(torch.float16),
+    }
+    got = download(sent).result
+    assert set(got) == set(sent)
+    for key, t in sent.items():
+        assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
+        assert torch.equal(got[key], t), key
+        if t.numel() == 0:
+            assert sealed_slice(got[key]) is None
+            continue
+        blob = sealed_slice(got[key])
+        assert blob is not None, key
+        # The tensor is a mapping of that very file, and the file is sealed.
+        assert mapping_of(got[key].data_ptr()) == blob.inode, key
+        assert fcntl.fcntl(blob.fileno, F_GET_SEALS) & F_SEAL_WRITE, key
+        assert blob.offset % os.sysconf("SC_PAGE_SIZE") == 0
+        assert bytes(blob) == t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), key
+
+
+def test_a_written_tensor_is_sent_as_it_is_now_not_as_its_file():
+    sent = {"a": torch.randn(1 << 20), "b": torch.randn(1 << 20)}
+    got = download(sent).result
+    file_before = bytes(sealed_slice(got["a"]))
+    got["a"][12345] = 7.0  # one page copied, privately
+    assert sealed_slice(got["a"]) is None
+    assert sealed_slice(got["b"]) is not None
+    assert float(got["a"][12345]) == 7.0
+    # The file did not change: a copy-on-write mapping.
+    other = download({"a": sent["a"]}).result
+    assert bytes(sealed_slice(other["a"])) == file_before
+    # A view of part of a tensor, or a copy, is not its file either.
+    assert sealed_slice(got["b"][:10]) is None
+    assert sealed_slice(got["b"].clone()) is None
+
+
+def test_a_large_download_comes_in_parts_that_go_with_their_tensors():
+    before = set(memfd_inodes()) | open_memfd_inodes()
+    sent = {f"T{i}": torch.full((5 << 18,), float(i)) for i in range(60)}  # 60 x 5 MiB
+    consumer = download(sent)
+    got = consumer.result
+    inodes = {sealed_slice(t).inode for t in got.values()}
+    # 300 MiB: parts of at least 64 MiB, each at least half of what came before.
+    assert 3 <= len(inodes) <= 5, inodes
+    assert consumer.in_files == 300 << 20
+    sizes = sorted(os.fstat(sealed_slice(t).fileno).st_size for t in got.values())
+    assert sizes[0] >= _download.PART_LEAST
+    held = (set(memfd_inodes()) | open_memfd_inodes()) - before
+    assert inodes <= held
+    del got, consumer, sizes
+    gc.collect()
+    left = (set(memfd_inodes()) | open_memfd_inodes()) & inodes
+    assert not left, f"memory files still mapped or open: {left}"
+
+
+def test_a_malformed_item_fails_the_download_and_leaves_no_file():
+    before = set(memfd_inodes()) | open_memfd_inodes()
+    served = TensorDownloadable({"x": torch.randn(1 << 20), "y": torch.randn(1 << 20)}, 2 << 20)
+    served.num_receivers = 1
+    consumer = MemoryFileConsumer()
+    _, data, state = served.produce({}, "site-1")
+    consumer.consume("ref", state, data)  # the first tensor is in a file now
+    _, data, state = served.produce(state, "site-1")
+    truncated = [bytes(data[0])[:-16]]
+    with pytest.raises(ValueError, match="'y'.*do not hold its shape"):
+        consumer.consume("ref", state, truncated)
+    consumer.download_failed("ref", "the consumer raised")
+    assert consumer.error == "the consumer raised" and consumer.result is None
+    gc.collect()
+    assert (set(memfd_inodes()) | open_memfd_inodes()) - before == set()
+
+
+def test_install_makes_flares_own_decomposer_download_into_files_until_the_last_uninstall():
+    fobs.register(TensorDecomposer)
+    handler = fobs.get_dot_handler(dots.TENSOR_DOWNLOAD)
+    assert isinstance(handler, TensorDecomposer)
+    assert not _download.installed()
+    assert _download.install() and _download.install()
+    assert "download" in vars(handler) and _download.installed()
+    assert handler.to_downloadable is _download._lean
+    assert handler.download.rankexec_original.__func__ is TensorDecomposer.download
+    _download.uninstall()
+    assert _download.installed()  # one user left
+    _download.uninstall()
+    assert not _download.installed() and "download" not in vars(handler)
+    assert "to_downloadable" not in vars(handler)
+    _download.uninstall()  # one too many: nothing to undo
+    assert not _download.installed()
+
+
+def test_a_result_is_served_as_the_same_items_flare_would_serve():
+    from nvflare.app_opt.pt.tensor_downloader import TensorConsumer
+
+    sent = {
+        "a": torch.randn(300, 7),
+        "b": torch.zeros(5, dtype=torch.bfloat16),
+        "c": torch.tensor(2.5),
+        "d": torch.zeros(0, 2),
+        "e": torch.arange(12).reshape(3, 4).t(),  # not contiguous
+        "f": torch.rand(9) > 0.5,
+    }
+    lean = _download.LeanTensorDownloadable(sent, 2 << 20)
+    flares = TensorDownloadable({k: v.contiguous() for k, v in sent.items()}, 2 << 20)
+    for i in range(len(sent)):
+        assert lean.produce_item(i) == flares.produce_item(i), list(sent)[i]
+    lean.prefetch_item(1)
+    assert lean._prefetch_futures == {}  # nothing is built ahead of its request
+    # FLARE's own consumer (the server's) decodes them.
+    consumer = TensorConsumer(None, {})
+    got = consumer.consume_items([lean.produce_item(i) for i in range(len(sent))], None)
+    for key, t in sent.items():
+        assert torch.equal(got[key], t), key
