@@ -18,10 +18,17 @@ what was downloaded (no page of it written: the kernel's page map says so), whic
 ranks are sent as it is: no staging copy. A tensor that was written to, or that is not
 one of these, is staged as before.
 
-The files are parts of at least 64 MiB, each new one at least half the size of what
-came before (a model of 14 GB arrives in about 16 files, far under the 64 descriptors
-a frame may pass), so that rank 0, which takes its own copy, lets go of the input one
-part at a time.
+The files are parts of at least 64 MiB, each new one at least a sixth of what came
+before (a model of 14 GB arrives in about 30 files, under the 64 descriptors a frame
+may pass), so that rank 0, which takes its own copy, lets go of the input one part at
+a time and holds at most a seventh of the model twice.
+
+A result goes back through FLARE's download service, which the server pulls from,
+one tensor an item: ``LeanTensorDownloadable`` builds each item with one copy and none
+ahead of its request, and every 256 MiB served runs the garbage collector and trims the
+C heap. FLARE's streaming keeps each sent message in reference cycles that only a full
+collection frees: without it a 1 GiB result left about one more model in the job
+process until the next task (BENCHMARKS.md, "FLARE's download into memory files").
 
 Caveats: only tensors (``TENSOR_DOWNLOAD``); numpy arrays are decoded by FLARE as
 before. A site that set FLARE's tensor disk offload keeps it (FLARE's own consumer).
@@ -33,10 +40,13 @@ download's consumer); ``uninstall`` removes it when the last user is done.
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import mmap
 import struct
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -63,8 +73,15 @@ __all__ = [
 _PAGE = mmap.PAGESIZE
 #: The least size of a part (its memory file).
 PART_LEAST = 64 << 20
+#: A new part holds at least this fraction of what came before: a model of N bytes
+#: arrives in about 8 + 6.5 ln(N / 512 MiB) parts (1 GiB: 14, 14 GB: 30, 100 GB: 42;
+#: a frame passes at most 64 descriptors), the largest a seventh of the model (what
+#: rank 0's copy, which lets go of one part at a time, holds twice at worst).
+_GROWTH = 6
 #: Bytes let go between two trims of the C heap (items under glibc's mmap threshold).
 _TRIM_EVERY = 64 << 20
+_COLLECT_EVERY = 256 << 20
+_log = logging.getLogger(__name__)
 
 # safetensors' dtype names (what FLARE's items carry) and torch's.
 _DTYPES: dict[str, Any] = {
@@ -206,7 +223,7 @@ class MemoryFileConsumer(ItemConsumer):
     def _place(self, nbytes: int) -> tuple[_Part, int]:
         part = self._parts[-1] if self._parts else None
         if part is None or _round_up(part.filled) + nbytes > part.capacity:
-            capacity = _round_up(max(PART_LEAST, self._written // 2, nbytes))
+            capacity = _round_up(max(PART_LEAST, self._written // _GROWTH, nbytes))
             part = _Part(capacity)
             self._parts.append(part)
         at = _round_up(part.filled)
@@ -311,10 +328,24 @@ class LeanTensorDownloadable(TensorDownloadable):
         base_obj = self.base_obj
         if base_obj is None:
             raise RuntimeError(f"item {index} requested after tensors were released")
+        # FLARE keeps each sent message (a copy of its item) in reference cycles that
+        # only a full collection frees, and its 1 MiB frames stay in glibc's per-thread
+        # heaps once freed: both given back every _COLLECT_EVERY bytes served (a full
+        # collection took 140-190 ms in a job process with torch loaded).
+        self._served = getattr(self, "_served", 0)
+        if self._served >= _COLLECT_EVERY:
+            t0 = time.perf_counter()
+            gc.collect()
+            trim_heap()
+            self._served = 0
+            _log.debug("collected in %.0f ms", (time.perf_counter() - t0) * 1e3)
         tensor = base_obj[key]
         if isinstance(tensor, torch.Tensor) and tensor.dtype in _NAMES:
-            return _item_of(key, tensor)
-        return super().produce_item(index)
+            item = _item_of(key, tensor)
+        else:
+            item = super().produce_item(index)
+        self._served += len(item)
+        return item
 
     def prefetch_item(self, index: int) -> None:
         return None

@@ -57,7 +57,6 @@ import os
 import shlex
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import nvflare
@@ -73,8 +72,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
 
-from rankexec._staging import STAGE_FROM, stage_releasing
-from rankexec.flare.arrays import pack_flat, parts_of, plain, unpack_flat
+from rankexec.flare.arrays import pack_flat, plain, stage_in_parts, unpack_flat
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
 from rankexec.flare.policy import script_path
@@ -96,44 +94,6 @@ def _format(value: Any, what: str) -> str:
     except ValueError:
         names = [f.value for f in ExchangeFormat]
         raise ValueError(f"{what} must be one of {names}, not {value!r}") from None
-
-
-#: Parts of a task's model staged at once (see `_stage_in_parts`).
-_STAGE_THREADS = 4
-
-
-def _stage_in_parts(blobs: dict[str, Any]) -> None:
-    """Moves the task's large buffers into sealed memory files, one per part of the
-    model (``arrays.parts_of``: at most 16), each buffer let go as soon as it is copied
-    (``stage_releasing``). In parts, so that rank 0, which copies the model into a file
-    of its own, lets go of each part of the input as soon as it has copied it: the
-    site holds the model about once, not twice, while rank 0 takes it. Up to four parts
-    are written at once, each by a thread of its own."""
-    sizes: dict[str, int] = {}
-    for name, value in blobs.items():
-        try:
-            with memoryview(value) as view:
-                if view.nbytes >= STAGE_FROM and view.c_contiguous:
-                    sizes[name] = view.nbytes
-        except TypeError:
-            continue
-    order = list(blobs)
-    # The only references now. Parts are written by up to _STAGE_THREADS threads at
-    # once: a memory file takes one write at a time (the kernel locks it per write),
-    # several files do not (BENCHMARKS.md, "Several files at once").
-    parts = [{name: blobs.pop(name) for name in group} for group in parts_of(sizes)]
-    if len(parts) > 1:
-        with ThreadPoolExecutor(min(_STAGE_THREADS, len(parts)), "rx-stage") as pool:
-            for _ in pool.map(stage_releasing, parts):
-                pass
-    else:
-        for part in parts:
-            stage_releasing(part)
-    for part in parts:
-        blobs.update(part)
-    staged = {name: blobs[name] for name in order}
-    blobs.clear()
-    blobs.update(staged)
 
 
 def _arrived(params: Any) -> dict[str, Any]:
@@ -464,7 +424,7 @@ class ScriptExecutor(MultiProcessExecutor):
         in_files = sum(len(b) for b in arrived.values())
         del arrived
         try:
-            _stage_in_parts(blobs)
+            stage_in_parts(blobs)
         except OSError as e:  # refused by the host's memory, naming both sizes
             self.log_error(fl_ctx, f"task {task_name}: its data cannot reach the ranks: {e}")
             return self._failed(f"the task's data cannot reach the ranks: {e}")

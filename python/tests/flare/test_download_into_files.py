@@ -203,3 +203,16 @@ def test_a_result_is_served_as_the_same_items_flare_would_serve():
     got = consumer.consume_items([lean.produce_item(i) for i in range(len(sent))], None)
     for key, t in sent.items():
         assert torch.equal(got[key], t), key
+
+
+def test_serving_a_result_collects_flares_sent_messages_as_it_goes(monkeypatch):
+    # FLARE keeps each sent message in reference cycles until a full collection: the
+    # producer runs one (and trims the C heap) every _COLLECT_EVERY bytes served.
+    calls = []
+    monkeypatch.setattr(_download, "_COLLECT_EVERY", 3 << 20)
+    monkeypatch.setattr(_download.gc, "collect", lambda *a: calls.append(a) or 0)
+    sent = {f"t{i}": torch.zeros(1 << 18) for i in range(7)}  # 1 MiB each
+    lean = _download.LeanTensorDownloadable(sent, 2 << 20)
+    for i in range(len(sent)):
+        lean.produce_item(i)
+    assert calls == [(), ()], calls  # full collections, after 3 and 6 MiB served
