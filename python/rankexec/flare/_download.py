@@ -31,7 +31,10 @@ collection frees: without it a 1 GiB result left about one more model in the job
 process until the next task (BENCHMARKS.md, "FLARE's download into memory files").
 
 Caveats: only tensors (``TENSOR_DOWNLOAD``); numpy arrays are decoded by FLARE as
-before. A site that set FLARE's tensor disk offload keeps it (FLARE's own consumer).
+before. The tensors' storage is a mapping (``torch.frombuffer``): writable, but it
+cannot be resized (``resize_`` raises; FLARE's own tensors could be), and this holds
+for every task tensor the job process downloads while ``install`` is in effect, other
+executors' included. A site that set FLARE's tensor disk offload keeps it (FLARE's own consumer).
 An item in a dtype this module does not know is decoded by safetensors into the heap,
 as FLARE does, and staged. ``install`` sets the ``download`` attribute of FLARE's one
 registered ``TensorDecomposer`` instance (FLARE 2.9 offers no other way to choose a
