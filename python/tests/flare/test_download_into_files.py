@@ -216,3 +216,44 @@ def test_serving_a_result_collects_flares_sent_messages_as_it_goes(monkeypatch):
     for i in range(len(sent)):
         lean.produce_item(i)
     assert calls == [(), ()], calls  # full collections, after 3 and 6 MiB served
+
+
+def test_a_dtype_not_known_here_is_decoded_by_safetensors_into_the_heap():
+    # complex64: safetensors knows it, this module does not map it.
+    sent = {"z": torch.randn(64, dtype=torch.complex64), "w": torch.randn(1 << 16)}
+    consumer = download(sent)
+    got = consumer.result
+    assert torch.equal(got["z"], sent["z"]) and torch.equal(got["w"], sent["w"])
+    assert sealed_slice(got["z"]) is None  # in the heap: staged as before
+    assert mapping_of(got["z"].data_ptr()) is None
+    assert sealed_slice(got["w"]) is not None
+    assert consumer.in_files == sent["w"].numel() * 4
+
+
+def test_a_site_that_chose_flares_disk_offload_keeps_flares_own_download():
+    calls = []
+
+    def flares_own(**kw):
+        calls.append(kw)
+        return None, {"from": "flare"}
+
+    class Cell:
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+        def get_fobs_context(self):
+            return self.ctx
+
+    download_with = _download._into_files(flares_own)
+    offload = fobs.FOBSContextKey.TENSOR_DISK_OFFLOAD
+    # Set on the cell (the site's choice), or for this message: FLARE's consumer.
+    for cell_ctx, msg_ctx in (({offload: True}, None), ({}, {offload: True})):
+        err, items = download_with(
+            from_fqcn="server",
+            ref_id="r",
+            per_request_timeout=1.0,
+            cell=Cell(cell_ctx),
+            fobs_ctx=msg_ctx,
+        )
+        assert (err, items) == (None, {"from": "flare"})
+    assert [c["ref_id"] for c in calls] == ["r", "r"]
