@@ -55,8 +55,8 @@ impl PortLease {
 
 /// A port for a group's rendezvous: free now (portpicker's bind test) and not held by
 /// another executor of this user (its lock in `dir`, the user's private directory
-/// opened by [`super::ledger::Ledger::open_private_dir`]). With no `dir`, or when no
-/// port can be locked within [`TRIES`], a port picked as before, unlocked.
+/// opened by the ledger, `Ledger::open_private_dir`). With no `dir`, or when no
+/// port can be locked within 32 tries, a port picked as before, unlocked.
 pub fn reserve(dir: Option<&OwnedFd>) -> PortLease {
     reserve_from(dir, portpicker::pick_unused_port)
 }
