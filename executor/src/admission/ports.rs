@@ -15,16 +15,17 @@
 //! - Only this user's executors coordinate through it; any other program is seen only
 //!   by portpicker's bind test, and a port nobody reserved still goes to whoever binds
 //!   it first.
-//! - The lock files stay (one empty file per port ever used: at most the 10,000 of
-//!   portpicker's range); removing one could race with a process taking it.
+//! - A lease removes its lock file (and `ports/` once empty) before it lets go of the
+//!   lock; a process that opened the file meanwhile sees, once it has the lock, that
+//!   the path no longer names it, and tries again. A crashed executor leaves its empty
+//!   file behind, which the next taker of that port reuses.
 //! - Nothing here waits: a lock held elsewhere means another port. Where the directory
 //!   cannot be used (not private, not writable), the port is picked as before, without
 //!   a lock, and [`PortLease::locked`] says so.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
 
-use rustix::fs::{FlockOperation, Mode, OFlags};
+use rustix::fs::{AtFlags, FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
 /// Picks at most this many ports before settling for one without a lock.
@@ -33,12 +34,24 @@ const TRIES: usize = 32;
 /// Used when portpicker finds nothing (torch's default).
 const FALLBACK: u16 = 29500;
 
+const DIR: &str = "ports";
+
 /// A port picked for a group's rendezvous, and the lock that keeps other executors of
-/// this user from picking it while the lease lives.
+/// this user from picking it while the lease lives. Dropping it removes the lock file
+/// (and `ports/` once empty) before letting go of the lock.
 #[derive(Debug)]
 pub struct PortLease {
     port: u16,
-    lock: Option<OwnedFd>,
+    lock: Option<Held>,
+}
+
+#[derive(Debug)]
+struct Held {
+    /// The private directory and its `ports/`.
+    dir: OwnedFd,
+    ports: OwnedFd,
+    /// The locked file `ports/<port>`.
+    file: OwnedFd,
 }
 
 impl PortLease {
@@ -50,6 +63,19 @@ impl PortLease {
     /// Whether other executors are kept off it (false: picked without a lock).
     pub fn locked(&self) -> bool {
         self.lock.is_some()
+    }
+}
+
+impl Drop for PortLease {
+    fn drop(&mut self) {
+        if let Some(held) = self.lock.take() {
+            // Unlinked while still locked: whoever opened the file before this sees, once
+            // it has the lock, that its path no longer names it (see `take`), and tries
+            // again. Failures only leave an empty file or directory behind.
+            let _ = rustix::fs::unlinkat(&held.ports, self.port.to_string(), AtFlags::empty());
+            let _ = rustix::fs::unlinkat(&held.dir, DIR, AtFlags::REMOVEDIR);
+            drop(held.file);
+        }
     }
 }
 
@@ -66,19 +92,15 @@ fn reserve_from(dir: Option<&OwnedFd>, mut pick: impl FnMut() -> Option<u16>) ->
     let Some(dir) = dir else {
         return unlocked();
     };
-    let ports = match subdir(dir) {
-        Ok(d) => d,
-        Err(_) => return unlocked(),
-    };
     for _ in 0..TRIES {
         let Some(port) = pick() else {
             break;
         };
-        match take(&ports, port) {
-            Ok(Some(lock)) => {
+        match take(dir, port) {
+            Ok(Some(held)) => {
                 return PortLease {
                     port,
-                    lock: Some(lock),
+                    lock: Some(held),
                 };
             }
             Ok(None) => continue, // another executor holds it
@@ -95,33 +117,53 @@ fn unlocked() -> PortLease {
     }
 }
 
-/// `ports/` under the private directory, created 0700, never through a symlink.
-fn subdir(dir: &OwnedFd) -> Result<OwnedFd, Errno> {
-    match rustix::fs::mkdirat(dir, "ports", Mode::from_raw_mode(0o700)) {
-        Ok(()) | Err(Errno::EXIST) => {}
-        Err(e) => return Err(e),
+/// The lock on `ports/<port>` under the private directory `dir` (created 0700, never
+/// through a symlink), or None when another process holds it. A file or directory
+/// that a releasing lease removed while this opened it is tried again (a few times).
+fn take(dir: &OwnedFd, port: u16) -> Result<Option<Held>, Errno> {
+    let name = port.to_string();
+    for _ in 0..4 {
+        match rustix::fs::mkdirat(dir, DIR, Mode::from_raw_mode(0o700)) {
+            Ok(()) | Err(Errno::EXIST) => {}
+            Err(e) => return Err(e),
+        }
+        let ports = match rustix::fs::openat(
+            dir,
+            DIR,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => continue, // removed by a releasing lease just now
+            Err(e) => return Err(e),
+        };
+        let file = match rustix::fs::openat(
+            &ports,
+            &name,
+            OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => continue, // its directory was removed
+            Err(e) => return Err(e),
+        };
+        match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(Errno::WOULDBLOCK | Errno::INTR) => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        // Locked: but the holder before may have removed the file (or its directory)
+        // between this open and this lock. Only the file the path names counts.
+        let mine = rustix::fs::fstat(&file)?.st_ino;
+        let named = rustix::fs::statat(&ports, &name, AtFlags::SYMLINK_NOFOLLOW).map(|s| s.st_ino);
+        let dir_named = rustix::fs::statat(dir, DIR, AtFlags::SYMLINK_NOFOLLOW).map(|s| s.st_ino);
+        let dir_mine = rustix::fs::fstat(&ports)?.st_ino;
+        if named == Ok(mine) && dir_named == Ok(dir_mine) {
+            let dir = rustix::io::fcntl_dupfd_cloexec(dir, 0)?;
+            return Ok(Some(Held { dir, ports, file }));
+        }
     }
-    rustix::fs::openat(
-        dir,
-        "ports",
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-}
-
-/// The lock on `port`, or None when another process holds it.
-fn take(ports: &OwnedFd, port: u16) -> Result<Option<OwnedFd>, Errno> {
-    let fd = rustix::fs::openat(
-        ports,
-        Path::new(&port.to_string()),
-        OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::from_raw_mode(0o600),
-    )?;
-    match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(Some(fd)),
-        Err(Errno::WOULDBLOCK | Errno::INTR) => Ok(None),
-        Err(e) => Err(e),
-    }
+    Err(Errno::AGAIN)
 }
 
 #[cfg(test)]
@@ -156,8 +198,10 @@ mod tests {
             Err(Errno::WOULDBLOCK)
         );
         drop(leases);
-        // Released with the lease.
+        // Released with the lease, and nothing left behind: the files and `ports/` go.
         rustix::fs::flock(&other, FlockOperation::NonBlockingLockExclusive).unwrap();
+        assert!(!file.exists());
+        assert!(!t.path().join("ports").exists(), "ports/ left behind");
     }
 
     #[test]
