@@ -20,46 +20,6 @@ from proc_checks import pid_alive, pids_with_env, wait_until  # noqa: F401 (re-e
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
-# The test files that take longest (seconds of one file's tests, measured on the
-# 2-core machine with `--durations`), run first: pytest-xdist's `--dist loadfile` hands
-# files out in collection order, so a long file collected last keeps one worker busy
-# while the others are idle (the suite's last tenth took 13 of its 22 minutes so).
-# Longest first packs them; the order of the tests within a file is kept.
-_LONG_FILES = {
-    "flower/test_deployment.py": 373,
-    "flare/test_poc.py": 245,
-    "flare/test_hf_sft.py": 238,
-    "flower/test_production.py": 212,
-    "flower/test_hf_trainer.py": 200,
-    "flare/test_provisioned.py": 182,
-    "flare/test_retry_task.py": 169,
-    "flare/test_flare_examples.py": 158,
-    "flare/test_lightning_ddp.py": 136,
-    "test_wheel.py": 130,
-    "flare/test_flare_rust_ranks.py": 128,
-    "test_ddp_example.py": 122,
-    "flare/test_flare_policy.py": 121,
-    "test_docs.py": 107,
-    "flare/test_resources_poc.py": 98,
-    "flare/test_client_api_sim.py": 91,
-    "flare/test_recipe.py": 86,
-    "flare/test_flare_data.py": 84,
-    "flare/test_fsdp.py": 79,
-    "flare/test_multi_gpu_pt.py": 77,
-    "flower/test_simulation.py": 73,
-}
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    def weight(item) -> int:
-        try:
-            rel = Path(str(item.fspath)).resolve().relative_to(HERE).as_posix()
-        except ValueError:
-            return 0
-        return _LONG_FILES.get(rel, 0)
-
-    items.sort(key=weight, reverse=True)  # stable: a file's tests keep their order
-
 
 COMPONENTS = HERE / "components"
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
