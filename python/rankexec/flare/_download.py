@@ -326,6 +326,10 @@ class LeanTensorDownloadable(TensorDownloadable):
     while the one before is sent). The items are the same bytes FLARE's would be, so
     the server decodes them with its own consumer."""
 
+    def __init__(self, tensors: dict[str, Any], max_chunk_size: int) -> None:
+        super().__init__(tensors, max_chunk_size)
+        self._served = 0  # bytes served since the last collection
+
     def produce_item(self, index: int) -> bytes:
         key = self.keys[index]
         base_obj = self.base_obj
@@ -335,7 +339,6 @@ class LeanTensorDownloadable(TensorDownloadable):
         # only a full collection frees, and its 1 MiB frames stay in glibc's per-thread
         # heaps once freed: both given back every _COLLECT_EVERY bytes served (a full
         # collection took 140-190 ms in a job process with torch loaded).
-        self._served = getattr(self, "_served", 0)
         if self._served >= _COLLECT_EVERY:
             t0 = time.perf_counter()
             gc.collect()
@@ -361,45 +364,17 @@ _USERS = 0
 
 
 def _into_files(original: Any) -> Any:
-    def download(
-        from_fqcn: str,
-        ref_id: str,
-        per_request_timeout: float,
-        cell: Any,
-        secure: bool = False,
-        optional: bool = False,
-        abort_signal: Any = None,
-        progress_cb: Any = None,
-        fobs_ctx: dict | None = None,
-    ) -> tuple[Any, Any]:
+    def download(cell: Any, fobs_ctx: dict | None = None, **transfer: Any) -> tuple[Any, Any]:
+        # ``transfer``: from_fqcn, ref_id, per_request_timeout, secure, optional,
+        # abort_signal, progress_cb, as FLARE passes them (by keyword).
         ctx = fobs_ctx or {}
         cell_ctx = cell.get_fobs_context() if hasattr(cell, "get_fobs_context") else {}
         offload = fobs.FOBSContextKey.TENSOR_DISK_OFFLOAD
         if ctx.get(offload, cell_ctx.get(offload, False)):
             # The site chose FLARE's disk offload: FLARE's own consumer.
-            return original(
-                from_fqcn=from_fqcn,
-                ref_id=ref_id,
-                per_request_timeout=per_request_timeout,
-                cell=cell,
-                secure=secure,
-                optional=optional,
-                abort_signal=abort_signal,
-                progress_cb=progress_cb,
-                fobs_ctx=fobs_ctx,
-            )
+            return original(cell=cell, fobs_ctx=fobs_ctx, **transfer)
         consumer = MemoryFileConsumer()
-        download_object(
-            from_fqcn=from_fqcn,
-            ref_id=ref_id,
-            consumer=consumer,
-            per_request_timeout=per_request_timeout,
-            cell=cell,
-            secure=secure,
-            optional=optional,
-            abort_signal=abort_signal,
-            progress_cb=progress_cb,
-        )
+        download_object(cell=cell, consumer=consumer, **transfer)
         return consumer.error, consumer.result
 
     download.rankexec_original = original  # type: ignore[attr-defined]
