@@ -17,8 +17,10 @@
 //!   it first.
 //! - A lease removes its lock file (and `ports/` once empty) before it lets go of the
 //!   lock; a process that opened the file meanwhile sees, once it has the lock, that
-//!   the path no longer names it, and tries again. A crashed executor leaves its empty
-//!   file behind, which the next taker of that port reuses.
+//!   the path no longer names it, and tries again. An executor whose group is never
+//!   dropped (SIGKILL, a host process that exits without tearing it down; seen once in
+//!   two groups of a FLARE simulator run) leaves its empty file behind, unlocked, which
+//!   the next taker of that port reuses: at most one file per port.
 //! - Nothing here waits: a lock held elsewhere means another port. Where the directory
 //!   cannot be used (not private, not writable), the port is picked as before, without
 //!   a lock, and [`PortLease::locked`] says so.
