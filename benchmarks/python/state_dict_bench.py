@@ -9,7 +9,9 @@ few KiB). One round:
 
 1. ``stage``: the host's tensors into shared memory, as ``execute(consume=True)`` does
    (``--stage execute``, the default: numpy views handed to ``execute``) or as Flower's
-   host does (``--stage releasing``: ``rankexec._staging.stage_releasing`` first);
+   host did until issue 41 (``--stage releasing``: ``rankexec._staging.stage_releasing``
+   first: one file, one thread) or as Flower's host and ``ScriptExecutor`` do now
+   (``--stage parts``: ``rankexec._staging.stage_in_parts``);
 2. ``ranks``: every rank makes a torch tensor of every blob and reads one word of every
    4 KiB page; rank 0 then sends every tensor back (the views of its input as they are);
 3. ``read back``: the host reads one word of every page of every returned blob.
@@ -21,7 +23,7 @@ number of bytes into freshly allocated memory (``fresh``) and into memory alread
 ``large_payload_bench.py`` and BENCHMARKS.md "Method").
 
     python benchmarks/python/state_dict_bench.py [--size 2] [--ranks 4] [--reps 3]
-        [--stage execute|releasing] [--out FILE]
+        [--stage execute|releasing|parts] [--out FILE]
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def group(n: int):
 
 def one(g, shapes, size: int, stage: str) -> dict:
     import torch
-    from rankexec._staging import stage_releasing
+    from rankexec._staging import stage_in_parts, stage_releasing
 
     sd = state_dict(shapes)
     blobs = {k: t.view(-1).view(torch.uint8).numpy() for k, t in sd.items()}
@@ -163,6 +165,8 @@ def one(g, shapes, size: int, stage: str) -> dict:
     t0, f0 = time.perf_counter(), minflt()
     if stage == "releasing":
         stage_releasing(blobs)
+    elif stage == "parts":
+        stage_in_parts(blobs)
     t1, f1 = time.perf_counter(), minflt()
     r = g.execute("t", {}, blobs, consume=True)
     t2, f2 = time.perf_counter(), minflt()
@@ -194,7 +198,7 @@ def main() -> int:
     p.add_argument("--ranks", default="4")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--stage", choices=["execute", "releasing"], default="execute")
+    p.add_argument("--stage", choices=["execute", "releasing", "parts"], default="execute")
     p.add_argument("--label", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()

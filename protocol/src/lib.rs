@@ -29,7 +29,9 @@ pub use component::{
 };
 pub use context::{FlContext, Prop, PropConflict, PropFlags, keys};
 pub use event::EventType;
-pub use os::{NoMemory, ShmError, admit as admit_shared_memory, available_memory, page_align};
+pub use os::{
+    NoMemory, ShmError, admit as admit_shared_memory, available_memory, mapping_bytes, page_align,
+};
 pub use registry::{BuildError, Component, ComponentConfig, Registry};
 pub use shareable::{Blob, Shareable};
 pub use signal::{Signal, Subscription};

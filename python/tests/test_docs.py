@@ -62,6 +62,8 @@ from docrun import execute, missing_lines, substitute
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 COMMAND_TIMEOUT_S = 120
+# Set in the docs test that test_the_commands_before_a_commit_run_as_shown starts.
+NESTED = "RANKEXEC_DOCS_TEST_NESTED"
 
 ALL = [b for p in PAGES for b in blocks(p)]
 
@@ -337,6 +339,8 @@ def test_the_notation() -> None:
 
 @pytest.mark.parametrize("block", CONSOLE, ids=[b.where for b in CONSOLE])
 def test_console_block(block: Block, tmp_path: Path) -> None:
+    if os.environ.get(NESTED):
+        pytest.skip("run by the suite that started this nested docs test already")
     env = _env(tmp_path)
     cwd = REPO
     if kind(block) == "fresh-clone":
@@ -351,6 +355,8 @@ def test_console_block(block: Block, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("page", PY_PAGES, ids=[str(p.relative_to(REPO)) for p in PY_PAGES])
 def test_python_blocks(page: Path, tmp_path: Path) -> None:
+    if os.environ.get(NESTED):
+        pytest.skip("run by the suite that started this nested docs test already")
     bs = blocks(page)
     runs = [b for b in bs if b.lang == "python" and _kind_or_none(b) == "run"]
     _write_files(page)
@@ -419,9 +425,6 @@ def test_a_short_flake_check_runs_as_shown(tmp_path: Path) -> None:
     rc, out = docrun.run(step, tmp_path / "flake-check.out", timeout=300)
     assert (why := step.check(rc, out)) is None, f"{why}; it printed:\n{out}"
 
-
-# Set in the docs test that test_the_commands_before_a_commit_run_as_shown starts.
-NESTED = "RANKEXEC_DOCS_TEST_NESTED"
 
 # The guide's commands that take minutes to hours, by page and block: each script they
 # run plans without running when RANKEXEC_DRY_RUN=1 (its header says what it checks).
@@ -502,8 +505,9 @@ def test_the_commands_before_a_commit_run_as_shown(tmp_path: Path) -> None:
     """The commands docs/CONVENTIONS.md and docs/development.md give for checking the
     guide by hand, read from the pages and run as shown (their `target/site` in the
     test's folder): `mkdocs build --strict`, this very file's `python -m pytest ... -q`,
-    run for real once (in that run this test alone skips, or it would start itself again
-    without end: about 40 s), and `python scripts/gen-config-docs.py`, in a copy of the
+    run for real once (in that run this test skips, or it would start itself again
+    without end, and so do the guide's console and Python blocks, which the suite that
+    started it runs already: about 10 s), and `python scripts/gen-config-docs.py`, in a copy of the
     checkout, where the page it writes must be the committed one."""
     if os.environ.get(NESTED):
         pytest.skip("inside the docs test that the guide's own block started: not again")

@@ -4,8 +4,12 @@
 #[path = "unix.rs"]
 mod imp;
 mod memory;
+#[cfg(unix)]
+mod release;
 
 pub use imp::ShmError;
 pub(crate) use imp::*;
 pub(crate) use memory::same_file;
 pub use memory::{NoMemory, admit, available_memory, page_align};
+#[cfg(unix)]
+pub use release::mapping_bytes;

@@ -331,7 +331,7 @@ pub(crate) fn map_sealed(fd: OwnedFd, len: u64) -> Result<(Bytes, Arc<OwnedFd>),
             .map(fd.as_raw_fd())
             .map_err(ShmError::Io)?
     };
-    Ok((Bytes::from_owner(map), fd))
+    Ok((super::mapping_bytes(map), fd))
 }
 
 /// Whether the inherited secret descriptor was taken already.

@@ -29,11 +29,12 @@ This module imports neither nvflare nor torch (torch only when a tensor is met).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from rankexec._staging import parts_of
 
 __all__ = [
     "ARRAYS_KEY",
@@ -58,37 +59,6 @@ KIND_KEY = "dxo_kind"
 META_KEY = "dxo_meta"
 
 _INT64 = (-(1 << 63), 1 << 63)
-
-#: A Client API model travels in at most this many memory files (``parts_of``), far
-#: under the 64 descriptors a frame may pass.
-MAX_PARTS = 16
-#: ... each of at least this many bytes (the last may be smaller).
-PART_MIN = 64 << 20
-
-
-def parts_of(
-    sizes: Mapping[str, int], max_parts: int = MAX_PARTS, least: int = PART_MIN
-) -> list[list[str]]:
-    """``sizes``' names (in order) in consecutive groups of at least ``max(least,
-    total / max_parts)`` bytes each (the last may be smaller): at most ``max_parts``
-    groups, each of which gets a memory file of its own. A model in several files can
-    be let go of one part at a time (a sealed file's pages go only with the whole
-    file), and a tensor the script keeps after ``send()`` keeps its part alive, not
-    the whole model."""
-    total = sum(sizes.values())
-    each = max(least, -(-total // max(1, max_parts)))
-    groups: list[list[str]] = []
-    current: list[str] = []
-    filled = 0
-    for name, size in sizes.items():
-        current.append(name)
-        filled += size
-        if filled >= each:
-            groups.append(current)
-            current, filled = [], 0
-    if current:
-        groups.append(current)
-    return groups
 
 
 class Unsendable(TypeError):
@@ -429,43 +399,3 @@ def from_blobs(
         else:
             out[name] = _from_spec(blob, spec, name, False)
     return out
-
-
-#: Parts of a task's model staged at once (see `stage_in_parts`).
-_STAGE_THREADS = 4
-
-
-def stage_in_parts(blobs: dict[str, Any]) -> None:
-    """Moves the task's large buffers into sealed memory files, one per part of the
-    model (``arrays.parts_of``: at most 16), each buffer let go as soon as it is copied
-    (``stage_releasing``). In parts, so that rank 0, which copies the model into a file
-    of its own, lets go of each part of the input as soon as it has copied it: the
-    site holds the model about once, not twice, while rank 0 takes it. Up to four parts
-    are written at once, each by a thread of its own."""
-    from rankexec._staging import STAGE_FROM, stage_releasing
-
-    sizes: dict[str, int] = {}
-    for name, value in blobs.items():
-        try:
-            with memoryview(value) as view:
-                if view.nbytes >= STAGE_FROM and view.c_contiguous:
-                    sizes[name] = view.nbytes
-        except TypeError:
-            continue
-    order = list(blobs)
-    # The only references now. Parts are written by up to _STAGE_THREADS threads at
-    # once: a memory file takes one write at a time (the kernel locks it per write),
-    # several files do not (BENCHMARKS.md, "Several files at once").
-    parts = [{name: blobs.pop(name) for name in group} for group in parts_of(sizes)]
-    if len(parts) > 1:
-        with ThreadPoolExecutor(min(_STAGE_THREADS, len(parts)), "rx-stage") as pool:
-            for _ in pool.map(stage_releasing, parts):
-                pass
-    else:
-        for part in parts:
-            stage_releasing(part)
-    for part in parts:
-        blobs.update(part)
-    staged = {name: blobs[name] for name in order}
-    blobs.clear()
-    blobs.update(staged)

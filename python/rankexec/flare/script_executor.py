@@ -72,7 +72,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 from nvflare.client.config import ConfigKey, ExchangeFormat, TransferType
 
-from rankexec.flare.arrays import pack_flat, plain, stage_in_parts, unpack_flat
+from rankexec._staging import stage_in_parts
+from rankexec.flare.arrays import pack_flat, plain, unpack_flat
 from rankexec.flare.client_api import LOG_EVENT, MODEL_KEY, TESTED_FLARE
 from rankexec.flare.executor import ERROR_HEADER, FROM_RANK_PROP, MultiProcessExecutor
 from rankexec.flare.policy import script_path

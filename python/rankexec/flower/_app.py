@@ -23,7 +23,7 @@ from typing import Any
 from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp as FlowerClientApp
 
-from rankexec._staging import stage_releasing
+from rankexec._staging import stage_in_parts
 from rankexec.flower import _channel, _codec, _peer, _start
 from rankexec.flower._channel import ChannelError
 from rankexec.flower._server import CLOSE_MESSAGE_TYPE
@@ -198,13 +198,14 @@ def _warn_retries(run_id: int, retries: list[Any]) -> None:
 
 
 def _share_and_release(blobs: dict[str, Any], message: Message, context: Context) -> None:
-    """Copies the message's large arrays into one memory file (which the channel passes
-    to the node's host and the host to every rank, as it is), letting go of Flower's own
-    copy of each array as soon as it is copied (``_staging``): the ClientApp never
+    """Copies the message's large arrays into memory files (parts of at least 64 MiB,
+    up to four written at once; the channel passes them to the node's host and the host
+    to every rank, as they are), letting go of Flower's own copy of each array as soon
+    as it is copied (``_staging.stage_in_parts``): the ClientApp never
     holds the model twice, and holds it once, in shared memory, while the ranks run.
     (The reply and the context's state are rebuilt from rank 0's answer.)"""
     held = [context.state] if message.has_error() else [message.content, context.state]
-    stage_releasing(blobs, _channel.SHARE_FROM, _codec.releaser(held))
+    stage_in_parts(blobs, _channel.SHARE_FROM, _codec.releaser(held))
     for records in held:
         for rec in records.values():
             if isinstance(rec, ArrayRecord):

@@ -214,7 +214,7 @@ def unpack(data: Any) -> Any:
 
 
 def releaser(held: list[Any]) -> Callable[[str, Any], None]:
-    """A ``stage_releasing`` callback that removes an array's bytes from the records that
+    """A ``stage_releasing`` / ``stage_in_parts`` callback that removes an array's bytes from the records that
     hold them (by identity: ``Array.data`` is the object the codec put in ``blobs``)."""
     holders: dict[int, list[tuple[ArrayRecord, str]]] = {}
     for records in held:

@@ -25,7 +25,7 @@ from typing import Any
 
 import rankexec
 from rankexec._rankexec import trim_heap
-from rankexec._staging import stage_releasing
+from rankexec._staging import stage_in_parts
 from rankexec.flower import _channel, _codec, _state
 
 __all__ = ["FlowerRank"]
@@ -124,13 +124,14 @@ class FlowerRank:
             "state": _codec.encode_records(context.state, "q", blobs),
         }
         blobs[_codec.SPEC_BLOB] = _codec.pack(out)
-        # The reply's arrays go into one memory file one at a time, each let go of once
-        # copied (the handler's reply holds the only other reference): rank 0 never holds
-        # Flower's serialized reply and the file in full at once.
-        # The input's memory file is not needed any more (the handler has returned):
-        # unmapped here before the reply's file is filled.
+        # The reply's arrays go into memory files (in parts, up to four at once), each
+        # let go of once copied (the handler's reply holds the only other reference):
+        # rank 0 never holds Flower's serialized reply and the files in full at once.
+        # The input's memory files are not needed any more (the handler has returned):
+        # let go of here, before the reply's files are filled (a large mapping is
+        # unmapped on the extension's `unmap` thread, moments later).
         del message, context
         input.blobs.clear()
         if not reply.has_error():
-            stage_releasing(blobs, _channel.SHARE_FROM, _codec.releaser([reply.content]))
+            stage_in_parts(blobs, _channel.SHARE_FROM, _codec.releaser([reply.content]))
         return rankexec.Shareable(meta={"rank": 0}, blobs=blobs)

@@ -278,7 +278,8 @@ fn map_read_only(fd: &Arc<OwnedFd>, len: usize) -> io::Result<Bytes> {
     // checked by the protocol before the input blob was mapped), so its contents cannot
     // change and it cannot shrink under the mapping.
     let map = unsafe { memmap2::MmapOptions::new().len(len).map(fd.as_raw_fd())? };
-    Ok(Bytes::from_owner(map))
+    // Unmapped on the protocol's `unmap` thread once dropped (see its `os::release`).
+    Ok(rankexec_protocol::mapping_bytes(map))
 }
 
 /// A private copy-on-write mapping of `len` bytes of a sealed memory file from `offset`

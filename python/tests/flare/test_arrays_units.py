@@ -12,9 +12,8 @@ from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.fl_constant import ReturnCode
 from nvflare.apis.shareable import Shareable
 
+from rankexec._staging import MAX_PARTS, PART_MIN
 from rankexec.flare.arrays import (
-    MAX_PARTS,
-    PART_MIN,
     Member,
     Unsendable,
     from_blobs,

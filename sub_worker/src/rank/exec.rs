@@ -102,7 +102,8 @@ pub(super) fn run_task(rank: &Rank, executor: &Arc<dyn Executor>, job: Job) {
     // unmapping a large blob is not worth making the parent wait for. Not so for a
     // large model: its memory file is then the executor's to let go as soon as it is
     // done with it (a Client API script copies it and builds its result while the file
-    // would still be held: one copy of the model more at the peak).
+    // would still be held: one copy of the model more at the peak). The unmapping itself
+    // is done on the protocol's `unmap` thread (`os::release`), not before the reply.
     let input_blobs: Vec<rankexec_protocol::Blob> = if job.input.blob_bytes() < HOLD_INPUT_MAX {
         job.input.blobs().values().cloned().collect()
     } else {
