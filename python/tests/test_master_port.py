@@ -1,16 +1,18 @@
-"""The rendezvous port (`MASTER_PORT`) is reserved for a group's life among this
-user's executors (executor/src/admission/ports.rs): groups started side by side, as the
-sites of one FLARE simulator are, never get the same port, and the reservation is a
-lock the OS holds for the executor until the group stops.
+"""The rendezvous port (`MASTER_PORT`) is reserved for a group's life among the
+executors of this network namespace (executor/src/admission/ports.rs): groups started
+side by side, as the sites of one FLARE simulator are, never get the same port, and the
+reservation is a socket the OS holds for the executor until the group stops.
 
-Checked by what the OS says: the port's lock file in the user's private directory
-cannot be locked by this process while the group lives, and is gone once it stopped.
+Checked by what the OS says: the port's abstract socket name cannot be bound by this
+process while the group lives, can be once it stopped, and no file is left anywhere
+(the run directory holds nothing after the groups).
 """
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import os
+import socket
 from pathlib import Path
 
 from conftest import executor_config, wait_until
@@ -20,27 +22,33 @@ from rankexec.host import RankGroup
 GROUPS = 6
 
 
-def ports_dir() -> Path:
+def runtime_dir() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "rankexec" if runtime else Path(f"/tmp/rankexec-{os.geteuid()}")
-    return base / "ports"
+    return Path(runtime) / "rankexec" if runtime else Path(f"/tmp/rankexec-{os.geteuid()}")
 
 
-def locked_elsewhere(port: int) -> bool:
-    try:
-        f = open(ports_dir() / str(port), "rb")  # noqa: SIM115
-    except FileNotFoundError:  # a stopped group's lease removes its file
-        return False
-    with f:
+def reserved(port: int) -> bool:
+    """Whether `port`'s name is bound elsewhere: by binding it (and letting go)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
+            s.bind(f"\0rankexec-master-port-{port}")
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
         return False
+
+
+def lock_files() -> set[str]:
+    """The first version's lock files (`ports/<port>`), which a killed host left behind."""
+    try:
+        return set(os.listdir(runtime_dir() / "ports"))
+    except FileNotFoundError:
+        return set()
 
 
 def test_groups_started_side_by_side_get_distinct_ports_held_until_they_stop(tmp_path):
+    before = lock_files()
     groups = []
     try:
         for i in range(GROUPS):
@@ -54,13 +62,15 @@ def test_groups_started_side_by_side_get_distinct_ports_held_until_they_stop(tmp
         print("ports:", ports)
         assert len(set(ports)) == GROUPS, f"a port was handed to two groups: {ports}"
         for port in ports:
-            assert locked_elsewhere(port), f"port {port} is not reserved while its group lives"
+            assert reserved(port), f"port {port} is not reserved while its group lives"
     finally:
         for g in groups:
             g.close()
     for port in ports:
         wait_until(
-            lambda p=port: not (ports_dir() / str(p)).exists(),
+            lambda p=port: not reserved(p),
             timeout=10,
-            what=f"the lock file of port {port} to go with its group",
+            what=f"the reservation of port {port} to go with its group",
         )
+    made = lock_files() - before
+    assert not made, f"lock files of the first version's kind: {sorted(made)}"

@@ -197,13 +197,6 @@ impl Ledger {
         }
     }
 
-    /// The ledger's directory, private to this user (created 0700 if absent; refused
-    /// when it is a symlink, someone else's, or writable by others): where
-    /// [`super::ports`] keeps its locks.
-    pub(crate) fn open_private_dir(&self) -> Result<OwnedFd, LedgerError> {
-        self.open_dir()
-    }
-
     /// Opens (creating it 0700 if absent) the ledger's directory and checks it is ours
     /// and private.
     fn open_dir(&self) -> Result<OwnedFd, LedgerError> {

@@ -320,8 +320,7 @@ impl Admission {
                 Placement::Cpu { .. } => {}
             }
         }
-        let dir = self.ledger.open_private_dir().ok();
-        let master_port = ports::reserve(dir.as_ref());
+        let master_port = ports::reserve();
         tracing::info!(placement = %placement.describe(), master_port = master_port.port(), "admitted");
         Ok(Admit::Granted(Grant {
             per_rank,
