@@ -206,7 +206,10 @@ def test_mpirun_across_two_nodes(tmp_path, node):
         "{program}",
         "{args}",
     ]
-    components = [{"id": "sleep", "path": "Sleep", "args": {"secs": 0.01}}]
+    # Each task lasts a second: the ranks outlive the check below by that much at
+    # least (with 10 ms tasks the three rounds and the close could be over before the
+    # check read /proc, as one CI run found).
+    components = [{"id": "sleep", "path": "Sleep", "args": {"secs": 1.0}}]
     worker = {"program": str(BIN), "args": ["worker"]}
     cfg = _config(tmp_path, node, argv, components, worker, source="openmpi")
     host = subprocess.Popen(

@@ -313,7 +313,7 @@ impl Dispatcher {
         crate::killswitch::register(&table);
 
         let master_addr = "127.0.0.1".to_owned();
-        // Reserved at admission among this user's executors (admission::ports): rank 0
+        // Reserved at admission among this namespace's executors (admission::ports): rank 0
         // binds it only when its code rendezvous, maybe minutes from now.
         let master_port = match &grant.master_port {
             Some(lease) => lease.port(),
