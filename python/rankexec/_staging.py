@@ -71,6 +71,24 @@ def page_offsets(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
     return offsets, total
 
 
+def _large(blobs: dict[str, Any], threshold: int) -> dict[str, int]:
+    """The sizes of ``blobs``' C-contiguous buffers of ``threshold`` bytes and up, in
+    order (a ``Blob`` or ``HostBlob`` is in a sealed memory file already: ``execute``
+    passes it on as it is)."""
+    sizes: dict[str, int] = {}
+    for name, value in blobs.items():
+        if type(value).__name__ in ("Blob", "HostBlob"):
+            continue
+        try:
+            view = memoryview(value)
+        except TypeError:
+            continue
+        with view:
+            if view.nbytes >= threshold and view.c_contiguous:
+                sizes[name] = view.nbytes
+    return sizes
+
+
 def stage_releasing(
     blobs: dict[str, Any],
     threshold: int = STAGE_FROM,
@@ -82,17 +100,7 @@ def stage_releasing(
     each buffer is copied, to drop the caller's other references to it (a Flower
     ``ArrayRecord`` that holds the same bytes). Returns the memory file's size (0 when
     nothing was large enough)."""
-    sizes = {}
-    for name, value in blobs.items():
-        if type(value).__name__ in ("Blob", "HostBlob"):
-            continue  # already in a sealed memory file: execute passes it on as it is
-        try:
-            view = memoryview(value)
-        except TypeError:
-            continue
-        with view:
-            if view.nbytes >= threshold and view.c_contiguous:
-                sizes[name] = view.nbytes
+    sizes = _large(blobs, threshold)
     if not sizes:
         return 0
     offsets, total = page_offsets(sizes)
@@ -153,16 +161,7 @@ def stage_in_parts(
     ``parts_of``, up to four written at once; each buffer is let go of as soon as it is
     copied (``release(name, buffer)`` as in ``stage_releasing``, one call at a time).
     ``blobs`` keeps its order. A failure in any part raises once every part is done."""
-    sizes: dict[str, int] = {}
-    for name, value in blobs.items():
-        if type(value).__name__ in ("Blob", "HostBlob"):
-            continue
-        try:
-            with memoryview(value) as view:
-                if view.nbytes >= threshold and view.c_contiguous:
-                    sizes[name] = view.nbytes
-        except TypeError:
-            continue
+    sizes = _large(blobs, threshold)
     if not sizes:
         return
     order = list(blobs)
