@@ -139,19 +139,34 @@ def one(g, size: int, echo: bool) -> tuple[float, int]:
     return ms, got
 
 
+def shmem_huge() -> str:
+    """The kernel's setting for huge pages in memory files (BENCHMARKS.md, "Huge pages
+    for memory files")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1,2,4,8", help="GiB")
     p.add_argument("--ranks", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--out", default=None)
+    p.add_argument("--label", default=None)
     args = p.parse_args()
     sizes = [int(float(s) * GIB) for s in args.sizes.split(",")]
     ranks = [int(n) for n in args.ranks.split(",")]
     results = []
 
     def emit(r: dict) -> None:
-        r.update(loadavg=[round(v, 2) for v in os.getloadavg()])
+        r.update(
+            label=args.label,
+            shmem_huge=shmem_huge(),
+            loadavg=[round(v, 2) for v in os.getloadavg()],
+        )
         print(json.dumps(r), flush=True)
         results.append(r)
         if args.out:

@@ -192,6 +192,15 @@ def one(g, shapes, size: int, stage: str) -> dict:
     return out
 
 
+def shmem_huge() -> str:
+    """The kernel's setting for huge pages in memory files (BENCHMARKS.md says why)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=float, default=2.0, help="GiB")
@@ -213,6 +222,7 @@ def main() -> int:
             large_tensors=large,
             stage=args.stage,
             label=args.label,
+            shmem_huge=shmem_huge(),
             loadavg=[round(v, 2) for v in os.getloadavg()],
         )
         print(json.dumps(r), flush=True)

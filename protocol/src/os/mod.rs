@@ -1,5 +1,6 @@
 //! Platform code, behind one module. Only Unix is supported.
 
+mod huge;
 #[cfg(unix)]
 #[path = "unix.rs"]
 mod imp;
@@ -7,6 +8,7 @@ mod memory;
 #[cfg(unix)]
 mod release;
 
+pub use huge::{ShmemHugePages, advise_huge, allocate_huge};
 pub use imp::ShmError;
 pub(crate) use imp::*;
 pub(crate) use memory::same_file;

@@ -172,6 +172,8 @@ pub(crate) fn sealed_memfd_at(name: &str, len: u64, parts: &[(u64, &[u8])]) -> i
     // Size the file first: writes never extend it, and gaps stay holes.
     rustix::fs::ftruncate(&fd, len)?;
     for (at, bytes) in parts {
+        // Huge pages first where the kernel gives them only on request (`os::huge`).
+        super::allocate_huge(fd.as_fd(), len, *at, bytes.len() as u64);
         pwrite_all(fd.as_fd(), bytes, *at)?;
     }
     rustix::fs::fcntl_add_seals(&fd, ALL_SEALS)?;
@@ -216,6 +218,7 @@ pub(crate) fn sealed_memfd_with(
                 .map_mut(fd.as_raw_fd())?
         };
         keep_from_children(&map)?;
+        super::advise_huge(&map);
         fill(&mut map);
         drop(map);
     }

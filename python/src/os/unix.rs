@@ -73,6 +73,8 @@ impl WritableFile {
                     .map_mut(fd.as_raw_fd())?
             };
             keep_from_children(&map)?;
+            // Its faults allocate huge pages where the kernel allows them on request.
+            rankexec_protocol::advise_huge(&map);
             Some(map)
         };
         Ok(WritableFile { fd, map, len })
@@ -166,6 +168,9 @@ impl FileWriter {
             )));
         }
         let mut at = offset as u64;
+        // Huge pages first where the kernel gives them only on request (the protocol's
+        // `os::huge`); the `pwrite` then fills them.
+        rankexec_protocol::allocate_huge(self.fd.as_fd(), self.len as u64, at, bytes.len() as u64);
         while !bytes.is_empty() {
             match rustix::io::pwrite(&self.fd, bytes, at) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
@@ -189,8 +194,9 @@ pub(crate) struct StagedFile {
 }
 
 impl StagedFile {
-    /// A memory file of `len` (> 0) bytes with every page allocated (`MAP_POPULATE`),
-    /// admitted against the host's available memory first.
+    /// A memory file of `len` (> 0) bytes with every page allocated
+    /// (`MADV_POPULATE_WRITE`, after `MADV_HUGEPAGE`: huge pages where the kernel gives
+    /// them on request), admitted against the host's available memory first.
     pub(crate) fn new(len: usize) -> io::Result<StagedFile> {
         rankexec_protocol::admit_shared_memory(len as u64).map_err(io::Error::other)?;
         let fd = rustix::fs::memfd_create(
@@ -204,10 +210,15 @@ impl StagedFile {
         let map = unsafe {
             memmap2::MmapOptions::new()
                 .len(len)
-                .populate()
                 .map_mut(fd.as_raw_fd())?
         };
         keep_from_children(&map)?;
+        rankexec_protocol::advise_huge(&map);
+        // Allocated now, not at the first copy. A kernel before 5.14 refuses the advice:
+        // the copy then faults the pages in.
+        if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
+            tracing::debug!(error = %e, "MADV_POPULATE_WRITE refused");
+        }
         Ok(StagedFile { fd, map })
     }
 

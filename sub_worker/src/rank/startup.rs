@@ -274,12 +274,14 @@ pub(super) fn serve(
         let rank = rank.clone();
         move || handle_loop(&rank, events_tx)
     });
-    rank.exec.send(&Message::InitAck { result: Ok(()) })?;
+    // Logged before the ack, so the line is in the stderr pipe before the host can
+    // send a task: a failure report's stderr tail then starts with it.
     info!(
         world_size = rank.env.world_size,
         components = built.components.len(),
         "rank ready"
     );
+    rank.exec.send(&Message::InitAck { result: Ok(()) })?;
     let code = match hook {
         None => exec_loop(&rank, &built.executor),
         Some(hook) => {
