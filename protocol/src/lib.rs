@@ -30,7 +30,7 @@ pub use component::{
 pub use context::{FlContext, Prop, PropConflict, PropFlags, keys};
 pub use event::EventType;
 pub use os::{
-    NoMemory, ShmError, ShmemHugePages, admit as admit_shared_memory, advise_huge, allocate_huge,
+    HugeAllocator, NoMemory, ShmError, ShmemHugePages, admit as admit_shared_memory, advise_huge,
     available_memory, mapping_bytes, page_align,
 };
 pub use registry::{BuildError, Component, ComponentConfig, Registry};

@@ -8,7 +8,7 @@ mod memory;
 #[cfg(unix)]
 mod release;
 
-pub use huge::{ShmemHugePages, advise_huge, allocate_huge};
+pub use huge::{HugeAllocator, ShmemHugePages, advise_huge};
 pub use imp::ShmError;
 pub(crate) use imp::*;
 pub(crate) use memory::same_file;

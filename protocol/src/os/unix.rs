@@ -145,8 +145,8 @@ pub(crate) fn sealed_memfd(name: &str, parts: &[&[u8]]) -> io::Result<OwnedFd> {
 
 /// Writes each `(offset, bytes)` part into a new memory file of `len` bytes with
 /// `pwrite` (never through a mapping) and seals it against any change; the bytes no
-/// part covers read as zeros (holes). The file is admitted against the host's
-/// available memory first.
+/// part covers read as zeros. The file is admitted against the host's available memory
+/// first.
 ///
 /// Why `pwrite` and not a writable mapping: the kernel's shmem write path allocates
 /// each page and copies into it without zeroing it first, and takes no page fault,
@@ -154,8 +154,11 @@ pub(crate) fn sealed_memfd(name: &str, parts: &[&[u8]]) -> io::Result<OwnedFd> {
 /// then the copy). On this project's test VM 1 GiB took 530-770 ms with `pwrite`
 /// against 1130-1440 ms through a mapping (`MAP_POPULATE` does not help: it takes the
 /// same faults up front). That difference was `rankexec bench`'s fan-out regression
-/// from 0.98x to 1.8x one memcpy. With no mapping, nothing can keep the file from
-/// being sealed.
+/// from 0.98x to 1.8x one memcpy. Where the kernel gives memory files huge pages only
+/// on request, each part's range is first allocated through a short-lived mapping
+/// (`os::huge`); a child forked in the moment before that mapping is kept from children
+/// could keep the file from being sealed, so the seal falls back to a copy
+/// ([`seal_or_copy`]).
 pub(crate) fn sealed_memfd_at(name: &str, len: u64, parts: &[(u64, &[u8])]) -> io::Result<OwnedFd> {
     for (at, bytes) in parts {
         if at
@@ -169,15 +172,17 @@ pub(crate) fn sealed_memfd_at(name: &str, len: u64, parts: &[(u64, &[u8])]) -> i
     }
     super::admit(len).map_err(io::Error::other)?;
     let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
-    // Size the file first: writes never extend it, and gaps stay holes.
+    // Size the file first: writes never extend it, and gaps read as zeros.
     rustix::fs::ftruncate(&fd, len)?;
+    // Huge pages first where the kernel gives them only on request (`os::huge`).
+    let huge = super::HugeAllocator::for_file(len);
     for (at, bytes) in parts {
-        // Huge pages first where the kernel gives them only on request (`os::huge`).
-        super::allocate_huge(fd.as_fd(), len, *at, bytes.len() as u64);
+        if let Some(h) = &huge {
+            h.allocate(fd.as_fd(), *at, bytes.len() as u64);
+        }
         pwrite_all(fd.as_fd(), bytes, *at)?;
     }
-    rustix::fs::fcntl_add_seals(&fd, ALL_SEALS)?;
-    Ok(fd)
+    seal_or_copy(fd, name, len)
 }
 
 /// `pwrite` until every byte is written, retried on `EINTR`.

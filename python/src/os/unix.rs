@@ -16,7 +16,10 @@
 //!   ready for the host's next input of that size (see `host::staging`).
 //! - [`FileWriter`]: `pwrite` into a [`WritableFile`] (`SharedBuffer.write_at`): the
 //!   kernel's shmem write path takes no page fault and zeroes no page, where a copy
-//!   through the fresh mapping faults once per 4 KiB page.
+//!   through the fresh mapping faults once per 4 KiB page (where the kernel gives huge
+//!   pages only on request, each range is first allocated as huge pages, zeroed, through
+//!   a short-lived mapping: the protocol's `os::huge`). A write and the seal exclude each
+//!   other: a write lands before the seal or fails with `EPERM` after it.
 //!
 //! Fork safety: a `fork()` (PyTorch DataLoader workers, `multiprocessing`, `os.fork`)
 //! would copy a writable shared mapping into the child, and the write seal then fails
@@ -37,10 +40,10 @@
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use bytes::Bytes;
-use rankexec_protocol::Blob;
+use rankexec_protocol::{Blob, HugeAllocator};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::io::Errno;
 use rustix::mm::{MapFlags, ProtFlags};
@@ -50,6 +53,12 @@ pub(crate) struct WritableFile {
     fd: OwnedFd,
     map: Option<memmap2::MmapMut>,
     len: usize,
+    /// Huge pages for its `pwrite`s, where the kernel gives them on request.
+    huge: Option<HugeAllocator>,
+    /// Held (shared) by each [`FileWriter::write_at`] while it writes, and (exclusive) by
+    /// [`WritableFile::seal`]: a write lands before the seal or fails after it, never
+    /// into a file the seal has already copied (see `seal`'s fallback).
+    writes: Arc<RwLock<()>>,
 }
 
 impl WritableFile {
@@ -77,7 +86,13 @@ impl WritableFile {
             rankexec_protocol::advise_huge(&map);
             Some(map)
         };
-        Ok(WritableFile { fd, map, len })
+        Ok(WritableFile {
+            fd,
+            map,
+            len,
+            huge: HugeAllocator::for_file(len as u64),
+            writes: Arc::new(RwLock::new(())),
+        })
     }
 
     /// The mapping's first byte (dangling but aligned when empty) and its length.
@@ -95,6 +110,8 @@ impl WritableFile {
         Ok(FileWriter {
             fd: self.fd.try_clone()?,
             len: self.len,
+            huge: self.huge,
+            writes: self.writes.clone(),
         })
     }
 
@@ -106,6 +123,9 @@ impl WritableFile {
     /// Seals the file and returns it as a blob, keeping our mapping valid (now private
     /// copy-on-write; see the module docs).
     pub(crate) fn seal(&mut self) -> io::Result<Blob> {
+        // Writes in flight finish first (each is one bounded `pwrite`); later ones fail.
+        let writes = self.writes.clone();
+        let _no_writes = writes.write().unwrap_or_else(PoisonError::into_inner);
         if let Some(m) = self.map.as_mut() {
             let addr = m.as_mut_ptr().cast::<std::ffi::c_void>();
             // SAFETY: `addr..addr+len` is exactly our own mapping (held by `self.map`,
@@ -149,6 +169,8 @@ impl WritableFile {
 pub(crate) struct FileWriter {
     fd: OwnedFd,
     len: usize,
+    huge: Option<HugeAllocator>,
+    writes: Arc<RwLock<()>>,
 }
 
 impl FileWriter {
@@ -168,9 +190,12 @@ impl FileWriter {
             )));
         }
         let mut at = offset as u64;
+        let _writing = self.writes.read().unwrap_or_else(PoisonError::into_inner);
         // Huge pages first where the kernel gives them only on request (the protocol's
         // `os::huge`); the `pwrite` then fills them.
-        rankexec_protocol::allocate_huge(self.fd.as_fd(), self.len as u64, at, bytes.len() as u64);
+        if let Some(h) = &self.huge {
+            h.allocate(self.fd.as_fd(), at, bytes.len() as u64);
+        }
         while !bytes.is_empty() {
             match rustix::io::pwrite(&self.fd, bytes, at) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
@@ -204,20 +229,30 @@ impl StagedFile {
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )?;
         rustix::fs::ftruncate(&fd, len as u64)?;
+        // Where the kernel gives huge pages on request, the pages are allocated after the
+        // mapping is marked for them (`MADV_POPULATE_WRITE`, Linux 5.14); elsewhere, and
+        // where that advice is refused, with the mapping (`MAP_POPULATE`).
+        let huge = HugeAllocator::for_file(len as u64).is_some();
+        let mut options = memmap2::MmapOptions::new();
+        options.len(len);
+        if !huge {
+            options.populate();
+        }
         // SAFETY: the file was created just above and is not shared with anyone: no
         // other mapping, writer or truncation can exist while this mapping lives. It is
         // dropped before the file is sealed (sealing needs no writable mapping left).
-        let map = unsafe {
-            memmap2::MmapOptions::new()
-                .len(len)
-                .map_mut(fd.as_raw_fd())?
-        };
+        let mut map = unsafe { options.map_mut(fd.as_raw_fd())? };
         keep_from_children(&map)?;
-        rankexec_protocol::advise_huge(&map);
-        // Allocated now, not at the first copy. A kernel before 5.14 refuses the advice:
-        // the copy then faults the pages in.
-        if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
-            tracing::debug!(error = %e, "MADV_POPULATE_WRITE refused");
+        if huge {
+            rankexec_protocol::advise_huge(&map);
+            if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
+                tracing::debug!(error = %e, "MADV_POPULATE_WRITE refused; MAP_POPULATE instead");
+                drop(map);
+                // SAFETY: as above: the file is still ours alone, and the mapping before
+                // this one is gone.
+                map = unsafe { options.populate().map_mut(fd.as_raw_fd())? };
+                keep_from_children(&map)?;
+            }
         }
         Ok(StagedFile { fd, map })
     }
