@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from large_payload_bench import shmem_huge  # this folder: the script's own
+
 HERE = Path(__file__).resolve().parent
 PYPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 GIB = 1 << 30
@@ -190,15 +192,6 @@ def one(g, shapes, size: int, stage: str) -> dict:
     }
     del r
     return out
-
-
-def shmem_huge() -> str:
-    """The kernel's setting for huge pages in memory files (BENCHMARKS.md says why)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "unknown"
 
 
 def main() -> int:

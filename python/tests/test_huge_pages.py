@@ -121,12 +121,18 @@ def filled_buffers() -> dict[str, SharedBuffer]:
     return {"written": written.seal(), "mapped": mapped.seal()}
 
 
-def test_under_advise_every_path_gives_huge_pages_and_every_reader_maps_them_whole(tmp_path):
-    staged = np.arange(24 * MIB, dtype=np.uint8)  # the host's own copy (execute)
+def every_path(tmp_path, setting):
+    """Under ``setting`` (a ``shmem_setting``): the sum of a 24 MiB input the host stages
+    (its own copy, at ``execute``), the two tasks' ``round_trips`` of it and the
+    ``filled_buffers``."""
+    staged = np.arange(24 * MIB, dtype=np.uint8)
     want = int(staged.sum(dtype=np.uint64))
-    with shmem_setting("advise"):
-        tasks = round_trips(tmp_path, {"staged": staged})
-        blobs = filled_buffers()
+    with setting:
+        return want, round_trips(tmp_path, {"staged": staged}), filled_buffers()
+
+
+def test_under_advise_every_path_gives_huge_pages_and_every_reader_maps_them_whole(tmp_path):
+    want, tasks, blobs = every_path(tmp_path, shmem_setting("advise"))
     for meta, host in tasks:
         assert meta["sums"]["staged"] == want and host["staged"][1] == want
         # At least half in huge pages: a fragmented host may back some with 4 KiB ones,
@@ -141,11 +147,7 @@ def test_under_advise_every_path_gives_huge_pages_and_every_reader_maps_them_who
 
 
 def test_under_never_the_same_paths_give_small_pages_and_the_same_bytes(tmp_path):
-    staged = np.arange(24 * MIB, dtype=np.uint8)
-    want = int(staged.sum(dtype=np.uint64))
-    with shmem_setting("never"):
-        tasks = round_trips(tmp_path, {"staged": staged})
-        blobs = filled_buffers()
+    want, tasks, blobs = every_path(tmp_path, shmem_setting("never"))
     for meta, host in tasks:
         assert meta["sums"]["staged"] == want and host["staged"][1] == want
         assert meta["pmd_kib"]["staged"] == 0 and host["staged"][0] == 0, tasks

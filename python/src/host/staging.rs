@@ -6,8 +6,9 @@
 //! page on first touch, and on a VM that returns freed pages to its host each of those
 //! faults also goes to the hypervisor. So after every task, a background thread
 //! prepares a memory file of each large size just used, with its pages allocated and
-//! mapped writable (`MADV_POPULATE_WRITE`; huge pages where the kernel gives them on request, see
-//! the protocol's `os::huge`). The next task of the same shape only copies into
+//! mapped writable (`MAP_POPULATE`; where the kernel gives huge pages only on request,
+//! `MADV_HUGEPAGE` then `MADV_POPULATE_WRITE`, see the protocol's `os::huge`). The next
+//! task of the same shape only copies into
 //! pages that exist, unmaps, seals and sends.
 //!
 //! A prepared file's mapping is kept from forked children (`MADV_DONTFORK`): a host

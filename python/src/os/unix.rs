@@ -219,9 +219,9 @@ pub(crate) struct StagedFile {
 }
 
 impl StagedFile {
-    /// A memory file of `len` (> 0) bytes with every page allocated
-    /// (`MADV_POPULATE_WRITE`, after `MADV_HUGEPAGE`: huge pages where the kernel gives
-    /// them on request), admitted against the host's available memory first.
+    /// A memory file of `len` (> 0) bytes with every page allocated (`MAP_POPULATE`, or
+    /// `MADV_HUGEPAGE` then `MADV_POPULATE_WRITE` where the kernel gives huge pages only
+    /// on request), admitted against the host's available memory first.
     pub(crate) fn new(len: usize) -> io::Result<StagedFile> {
         rankexec_protocol::admit_shared_memory(len as u64).map_err(io::Error::other)?;
         let fd = rustix::fs::memfd_create(
