@@ -32,7 +32,6 @@ from typing import Any, Self
 
 from rankexec import _rankexec
 from rankexec._paths import resolve_worker
-from rankexec._shareable import byte_view
 
 __all__ = [
     "Aborted",
@@ -219,14 +218,10 @@ class RankGroup:
         With ``consume`` (``blobs`` a dict), ``blobs`` is emptied as soon as its buffers
         are in shared memory, before the ranks run: a caller holding no other reference
         to a large input frees its own copy for the whole task.
-        A torch tensor, of any dtype, is sent as its bytes (``byte_view``; bfloat16 has
-        no buffer of its own). Starts the group if it was never started."""
+        Starts the group if it was never started."""
         if not self._started:
             self.start()
         given = blobs if consume and isinstance(blobs, dict) else dict(blobs or {})
-        for name, value in given.items():
-            if type(value).__module__.startswith("torch"):
-                given[name] = byte_view(value, name)
         meta_out, blobs_out, props_out, retries = self._native.execute(
             task,
             dict(meta or {}),
