@@ -32,6 +32,7 @@ from typing import Any, Self
 
 from rankexec import _rankexec
 from rankexec._paths import resolve_worker
+from rankexec._shareable import byte_view
 
 __all__ = [
     "Aborted",
@@ -157,6 +158,14 @@ class TaskResult:
 EventCallback = Callable[[str, "int | None", dict[str, Any]], "dict[str, Any] | None"]
 
 
+def _tensors_as_bytes(blobs: dict[str, Any]) -> None:
+    """Replaces each torch tensor in ``blobs`` by its bytes, in place. A function of
+    its own: a loop variable left in ``execute``'s frame would hold the last blob (and
+    its memory file) until the task returns, past ``consume``."""
+    for name in [k for k, v in blobs.items() if type(v).__module__.startswith("torch")]:
+        blobs[name] = byte_view(blobs[name], name)
+
+
 class RankGroup:
     """A group of rank processes that runs every task on all ranks.
 
@@ -218,10 +227,12 @@ class RankGroup:
         With ``consume`` (``blobs`` a dict), ``blobs`` is emptied as soon as its buffers
         are in shared memory, before the ranks run: a caller holding no other reference
         to a large input frees its own copy for the whole task.
-        Starts the group if it was never started."""
+        A torch tensor, of any dtype, is sent as its bytes (``byte_view``; bfloat16 has
+        no buffer of its own). Starts the group if it was never started."""
         if not self._started:
             self.start()
         given = blobs if consume and isinstance(blobs, dict) else dict(blobs or {})
+        _tensors_as_bytes(given)
         meta_out, blobs_out, props_out, retries = self._native.execute(
             task,
             dict(meta or {}),

@@ -198,3 +198,26 @@ def test_to_device_passes_cpu_tensors_and_falls_back_without_a_gpu(monkeypatch):
     monkeypatch.setenv("RANKEXEC_PIN_HOST", "0")
     with pytest.raises((RuntimeError, AssertionError)):  # pageable, and no GPU at all
         tensors.to_device(sd, "cuda")
+
+
+def test_a_hosts_torch_tensors_of_any_dtype_go_to_the_ranks_as_their_bytes(tmp_path):
+    """``RankGroup.execute`` takes torch tensors as blobs, bfloat16 included (no buffer
+    of its own): the rank's views of them come back as the same bytes."""
+    import torch
+
+    cfg = executor_config("views:SendViews", 1, log_dir=tmp_path)
+    w = {
+        "w16": torch.arange(3 * MIB, dtype=torch.float32).to(
+            torch.bfloat16
+        ),  # not "bf16": SendViews adds its own
+        "i8": torch.arange(4096, dtype=torch.int8),
+    }
+    want = {k: v.view(torch.uint8).numpy().tobytes() for k, v in w.items()}
+    with RankGroup(cfg, workspace=str(tmp_path)) as g:
+        r = g.execute("t", {}, w, consume=True)
+        assert w == {}, "consume: the host's dict is emptied"
+        for name, data in want.items():
+            assert bytes(r.blobs[name]) == data, name
+        # What is no buffer is refused naming its blob (it named none).
+        with pytest.raises(TypeError, match="blob `w`: a list is not a buffer"):
+            g.execute("t", {}, {"w": [1, 2]})

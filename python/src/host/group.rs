@@ -179,7 +179,19 @@ impl HostGroup {
                 ready.push((name, b.get().blob.clone()));
                 continue;
             }
-            let buf = PyUntypedBuffer::get(&v)?;
+            let buf = PyUntypedBuffer::get(&v).map_err(|e| {
+                let kind = v
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default();
+                let err = pyo3::exceptions::PyTypeError::new_err(format!(
+                    "blob `{name}`: a {kind} is not a buffer (use bytes, a numpy array, a \
+                     torch tensor or a SharedBuffer)"
+                ));
+                err.set_cause(py, Some(e));
+                err
+            })?;
             if !buf.is_c_contiguous() {
                 return Err(PyBufferError::new_err(format!(
                     "blob `{name}` is not C-contiguous (use numpy.ascontiguousarray)"
