@@ -30,8 +30,8 @@ pub use component::{
 pub use context::{FlContext, Prop, PropConflict, PropFlags, keys};
 pub use event::EventType;
 pub use os::{
-    HugeAllocator, NoMemory, ShmError, ShmemHugePages, admit as admit_shared_memory, advise_huge,
-    available_memory, mapping_bytes, page_align,
+    HugeAllocator, NoMemory, PrefixError, PrefixedMap, ShmError, ShmemHugePages,
+    admit as admit_shared_memory, advise_huge, available_memory, mapping_bytes, page_align,
 };
 pub use registry::{BuildError, Component, ComponentConfig, Registry};
 pub use shareable::{Blob, Shareable};

@@ -26,5 +26,6 @@ mod wait;
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::HostGroup>()?;
     m.add_class::<blob::HostBlob>()?;
+    m.add_class::<blob::PrefixedView>()?;
     Ok(())
 }

@@ -24,14 +24,22 @@ may pass), so that rank 0, which takes its own copy, lets go of the input one pa
 a time and holds at most a seventh of the model twice.
 
 A result goes back through FLARE's download service, which the server pulls from,
-one tensor an item: ``LeanTensorDownloadable`` builds each item with one copy and none
-ahead of its request, and every 256 MiB served runs the garbage collector and trims the
-C heap. FLARE's streaming keeps each sent message in reference cycles that only a full
-collection frees: without it a 1 GiB result left about one more model in the job
-process until the next task (BENCHMARKS.md, "FLARE's download into memory files").
+one tensor an item (a safetensors file of one tensor: its header, then its bytes).
+``remember_result`` marks the tensors ``ScriptExecutor`` made from the ranks' result
+(copy-on-write mappings of rank 0's sealed memory files); ``LeanTensorDownloadable``
+serves such a tensor, while no page of it was written, as its header and the memory
+file's own pages in one read-only buffer (``HostBlob.prefixed``): no copy of the model
+in the job process. Any other tensor is built with one copy, none ahead of its request.
+FLARE's streaming keeps what it sent in reference cycles that only a full collection
+frees: every 256 MiB copied, and once the upload is over (``release``), the garbage
+collector runs and the C heap is trimmed (without it a 1 GiB result left about one
+more model in the job process until the next task; BENCHMARKS.md, "FLARE's download
+into memory files", "A result served from its memory files").
 
 Caveats: only tensors (``TENSOR_DOWNLOAD``); numpy arrays are decoded by FLARE as
-before. The tensors' storage is a mapping (``torch.frombuffer``): writable, but it
+before. An item served without a copy is a read-only buffer (a ``memoryview``), not
+``bytes``: FLARE's messaging sends any buffer as a datum and the receiver gets bytes, but
+code that called ``produce_item`` itself and wanted ``bytes`` would have to copy. The tensors' storage is a mapping (``torch.frombuffer``): writable, but it
 cannot be resized (``resize_`` raises; FLARE's own tensors could be), and this holds
 for every task tensor the job process downloads while ``install`` is in effect, other
 executors' included. A site that set FLARE's tensor disk offload keeps it (FLARE's own consumer).
@@ -69,6 +77,7 @@ __all__ = [
     "MemoryFileConsumer",
     "install",
     "installed",
+    "remember_result",
     "sealed_slice",
     "uninstall",
 ]
@@ -159,10 +168,34 @@ def _written(address: int, nbytes: int) -> bool:
     return bool(np.any(swapped) or np.any(present & (file_page ^ np.uint64(1))))
 
 
+def remember_result(params: Any, blobs: Any) -> int:
+    """Marks each tensor of ``params`` made from the blob of the same name (a
+    ``HostBlob`` of the ranks' result, in a memory file, the tensor its copy-on-write
+    mapping): ``sealed_slice`` finds the blob under it and the upload serves it
+    without a copy. Returns how many were marked."""
+    if not isinstance(params, dict):
+        return 0
+    marked = 0
+    for name, value in params.items():
+        blob = blobs.get(name)
+        if (
+            isinstance(value, torch.Tensor)
+            and value.device.type == "cpu"
+            and value.is_contiguous()
+            and getattr(blob, "fileno", None) is not None
+            and hasattr(blob, "prefixed")
+            and value.numel() * value.element_size() == len(blob)
+        ):
+            _remember(value, blob)
+            marked += 1
+    return marked
+
+
 def sealed_slice(value: Any) -> Any | None:
-    """The sealed memory file's slice (a ``rankexec.Blob``) that ``value`` shows
-    unchanged, when ``value`` is a CPU tensor this module downloaded (or a contiguous
-    view of all of one) and no page of it was written since; else None."""
+    """The sealed memory file's slice (a ``rankexec.Blob``, or the ``HostBlob`` of a
+    result) that ``value`` shows unchanged, when ``value`` is a CPU tensor this module
+    downloaded or ``remember_result`` marked (or a contiguous view of all of one) and
+    no page of it was written since; else None."""
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
         return None
     if not value.is_contiguous():
@@ -302,33 +335,73 @@ class MemoryFileConsumer(ItemConsumer):
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
-def _item_of(key: str, t: torch.Tensor) -> bytes:
-    """``t`` as a safetensors item of one tensor, as ``safetensors.torch.save({key:
-    t})`` makes it, built with one copy of its bytes."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+def _item_header(key: str, t: torch.Tensor) -> bytes:
+    """What comes before ``t``'s bytes in a safetensors item of one tensor, as
+    ``safetensors.torch.save({key: t})`` makes it: the header's length, the header."""
     nbytes = t.numel() * t.element_size()
     spec = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [0, nbytes]}
     header = json.dumps({key: spec}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    if nbytes == 0:
-        return struct.pack("<Q", len(header)) + header
-    data = t.reshape(-1).view(torch.uint8).numpy().data
-    return b"".join((struct.pack("<Q", len(header)), header, data))
+    return struct.pack("<Q", len(header)) + header
+
+
+def _item_of(key: str, t: torch.Tensor) -> bytes:
+    """``t`` as a safetensors item of one tensor, built with one copy of its bytes."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    head = _item_header(key, t)
+    if t.numel() == 0:
+        return head
+    return b"".join((head, t.reshape(-1).view(torch.uint8).numpy().data))
+
+
+def _item_in_place(key: str, t: torch.Tensor) -> memoryview | None:
+    """``t`` as a safetensors item without a copy: its header, then the pages of the
+    result's memory file under it (``HostBlob.prefixed``), when ``t`` is a tensor
+    ``remember_result`` marked and no page of it was written; else None."""
+    blob = sealed_slice(t)
+    prefixed = getattr(blob, "prefixed", None)
+    if prefixed is None or t.numel() == 0:
+        return None
+    try:
+        return memoryview(prefixed(_item_header(key, t)))
+    except (ValueError, OSError) as e:  # a header over a page, a file not sealed
+        _log.debug("item %s is copied: %s", key, e)
+        return None
 
 
 class LeanTensorDownloadable(TensorDownloadable):
-    """FLARE's ``TensorDownloadable`` (what the server downloads a result from), each
-    item built with one copy of its tensor (``_item_of``; safetensors' ``save`` makes
-    two) and none built ahead of its request (FLARE's prefetch holds one more item
-    while the one before is sent). The items are the same bytes FLARE's would be, so
-    the server decodes them with its own consumer."""
+    """FLARE's ``TensorDownloadable`` (what the server downloads a result from): a
+    tensor of the ranks' result is served from its memory file (``_item_in_place``),
+    any other built with one copy (``_item_of``; safetensors' ``save`` makes two), none
+    ahead of its request (FLARE's prefetch holds one more item while the one before is
+    sent). The items are the same bytes FLARE's would be, so the server decodes them
+    with its own consumer."""
 
     def __init__(self, tensors: dict[str, Any], max_chunk_size: int) -> None:
         super().__init__(tensors, max_chunk_size)
-        self._served = 0  # bytes served since the last collection
+        self._served = 0  # bytes copied since the last collection
+        # Items, and their bytes, served from memory files and built with a copy.
+        self.in_place = self.in_place_bytes = self.copied = self.copied_bytes = 0
+
+    def release(self) -> None:
+        # The upload is over: what FLARE kept of the items (reference cycles holding
+        # them, or the memory files' views) goes now, not at some later collection.
+        super().release()
+        t0 = time.perf_counter()
+        gc.collect()
+        trim_heap()
+        _log.info(
+            "result served: %d items (%.1f MiB) from memory files, %d (%.1f MiB) copied; "
+            "collected in %.0f ms",
+            self.in_place,
+            self.in_place_bytes / (1 << 20),
+            self.copied,
+            self.copied_bytes / (1 << 20),
+            (time.perf_counter() - t0) * 1e3,
+        )
 
     def produce_item(self, index: int) -> bytes:
         key = self.keys[index]
@@ -347,9 +420,16 @@ class LeanTensorDownloadable(TensorDownloadable):
             _log.debug("collected in %.0f ms", (time.perf_counter() - t0) * 1e3)
         tensor = base_obj[key]
         if isinstance(tensor, torch.Tensor) and tensor.dtype in _NAMES:
+            view = _item_in_place(key, tensor)
+            if view is not None:
+                self.in_place += 1
+                self.in_place_bytes += view.nbytes
+                return view  # type: ignore[return-value]  # FLARE sends any buffer
             item = _item_of(key, tensor)
         else:
             item = super().produce_item(index)
+        self.copied += 1
+        self.copied_bytes += len(item)
         self._served += len(item)
         return item
 

@@ -467,6 +467,9 @@ class ScriptExecutor(MultiProcessExecutor):
             params = unpack_flat(
                 blobs, out.get("param_specs"), out.get("param_values"), writable=False
             )
+            if "rankexec.flare._download" in sys.modules:
+                # FLARE's upload then serves these tensors from rank 0's memory files.
+                sys.modules["rankexec.flare._download"].remember_result(params, blobs)
         params_type = out.get("params_type")
         return FLModel(
             params_type=ParamsType(params_type) if params_type else None,

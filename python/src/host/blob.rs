@@ -3,13 +3,18 @@
 //! It implements the buffer protocol read-only: `np.frombuffer(blob, dtype)` and
 //! `memoryview(blob)` see the bytes where they are (a mapping of the rank's sealed
 //! memory file for large blobs). The bytes live as long as any view of them does.
+//!
+//! `HostBlob.prefixed(header)` gives `PrefixedView`: a few bytes of the caller's, then
+//! the blob's, as one read-only buffer without a copy of the blob (the protocol's
+//! `PrefixedMap`): what FLARE's upload sends as a safetensors item (`rankexec.flare.
+//! _download`). A blob not in a memory file has none (`ValueError`).
 
 use std::ffi::{c_int, c_void};
 
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyOSError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use rankexec_protocol::Blob;
+use rankexec_protocol::{Blob, PrefixError, PrefixedMap};
 
 /// A result blob (read-only bytes).
 #[pyclass(frozen, module = "rankexec._rankexec")]
@@ -48,6 +53,25 @@ impl HostBlob {
     /// blob. What torch tensors of a result are made from without a copy.
     fn copy_on_write(&self) -> PyResult<crate::rank::blob::PrivateBuffer> {
         crate::rank::blob::PrivateBuffer::of(&self.blob)
+    }
+
+    /// `prefix` (at most a page) then the blob's bytes, as one read-only buffer: the
+    /// blob's pages are the memory file's own, mapped right after a page holding the
+    /// prefix, so nothing of the blob is copied. ValueError for a blob that is not in
+    /// a memory file or a prefix longer than a page.
+    fn prefixed(&self, py: Python<'_>, prefix: &[u8]) -> PyResult<PrefixedView> {
+        use std::os::fd::AsFd;
+        let Some(fd) = self.blob.memfd() else {
+            return Err(PyValueError::new_err("the blob is not in a memory file"));
+        };
+        let (offset, len) = (self.blob.memfd_offset(), self.blob.len());
+        let map = py
+            .detach(|| PrefixedMap::new(fd.as_fd(), offset, len, prefix))
+            .map_err(|e| match e {
+                PrefixError::Io(_) => PyOSError::new_err(format!("prefixed view: {e}")),
+                _ => PyValueError::new_err(format!("prefixed view: {e}")),
+            })?;
+        Ok(PrefixedView { map })
     }
 
     /// A copy of the bytes.
@@ -111,5 +135,32 @@ impl HostBlob {
             (*view).internal = std::ptr::null_mut();
         }
         Ok(())
+    }
+}
+
+/// A prefix and a blob's bytes in one read-only buffer (see `HostBlob.prefixed`).
+#[pyclass(frozen, module = "rankexec._rankexec")]
+pub struct PrefixedView {
+    map: PrefixedMap,
+}
+
+#[pymethods]
+impl PrefixedView {
+    fn __len__(&self) -> usize {
+        self.map.as_slice().len()
+    }
+
+    /// # Safety
+    /// Called by Python's buffer protocol.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let data = slf.get().map.as_slice();
+        let (ptr, len) = (data.as_ptr().cast_mut(), data.len());
+        // SAFETY: the mapping lives, unchanged and read-only, as long as this frozen
+        // object, which the view references; `fill` refuses a writable request.
+        unsafe { crate::rank::blob::fill(slf.as_any(), view, flags, ptr, len, true) }
     }
 }

@@ -29,7 +29,7 @@ use crate::os::{WritableFile, inode, private_copy};
 /// # Safety
 /// `view` comes from Python's buffer protocol; `ptr..ptr+len` must stay valid as long
 /// as `owner` lives (the view holds a reference to it).
-unsafe fn fill(
+pub(crate) unsafe fn fill(
     owner: &Bound<'_, PyAny>,
     view: *mut ffi::Py_buffer,
     flags: c_int,

@@ -16,6 +16,7 @@ import fcntl
 import gc
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -222,6 +223,98 @@ def test_serving_a_result_collects_flares_sent_messages_as_it_goes(monkeypatch):
     for i in range(len(sent)):
         lean.produce_item(i)
     assert calls == [(), ()], calls  # full collections, after 3 and 6 MiB served
+
+
+def _echoed(tensors: dict, tmp_path) -> tuple[dict, dict]:
+    """``tensors`` through a group of one Rust rank that returns its input: (the
+    host's tensors of the result, as ``ScriptExecutor`` makes them, and its blobs)."""
+    from rankexec.flare.arrays import pack_flat, unpack_flat
+    from rankexec.host import RankGroup
+
+    from .flare_helpers import worker_program
+
+    blobs, specs, _ = pack_flat(tensors, "params")
+    cfg = {
+        "executor_id": "t",
+        "num_of_processes": 1,
+        "components": [{"id": "t", "path": "Echo"}],
+        "worker": {"program": worker_program()},
+        "log_dir": str(tmp_path),
+        "gpu": {"mode": "none"},
+    }
+    with RankGroup(cfg, workspace=str(tmp_path)) as g:
+        result = g.execute("train", {}, blobs)
+    params = unpack_flat(result.blobs, specs, writable=False)
+    return params, result.blobs
+
+
+def test_a_results_tensors_are_served_from_their_memory_files(tmp_path):
+    # rank 0's result, in memory files: each item is its header, then the file's own
+    # pages (HostBlob.prefixed), byte for byte what FLARE's producer would build.
+    from nvflare.app_opt.pt.tensor_downloader import TensorConsumer
+
+    sent = {
+        "w": torch.randn(1 << 20),  # 4 MiB
+        "h": torch.arange(3 << 19, dtype=torch.float32).to(torch.bfloat16).reshape(3, -1),
+        "tiny": torch.ones(3),  # sent inline by the core: built with a copy
+    }
+    params, blobs = _echoed(sent, tmp_path)
+    assert _download.remember_result(params, blobs) == 2
+    keys = {"T0": params["w"], "T1": params["h"], "T2": params["tiny"]}  # FLARE's ids
+    lean = _download.LeanTensorDownloadable(keys, 2 << 20)
+    flares = TensorDownloadable({k: v.clone() for k, v in keys.items()}, 2 << 20)
+    items = [lean.produce_item(i) for i in range(3)]
+    for i, item in enumerate(items):
+        assert bytes(item) == flares.produce_item(i), i
+    assert isinstance(items[0], memoryview) and isinstance(items[1], memoryview)
+    assert (lean.in_place, lean.copied) == (2, 1)
+    for item, name in zip(items[:2], ("w", "h"), strict=True):
+        # The tensor's bytes in the item are a mapping of the result's memory file.
+        data = np.frombuffer(item, dtype=np.uint8)[item.nbytes - len(blobs[name]) :]
+        assert mapping_of(data.ctypes.data) == os.fstat(blobs[name].fileno).st_ino, name
+    # The server gets the items as bytes (FLARE sends a buffer as a datum).
+    got = TensorConsumer(None, {}).consume_items([bytes(i) for i in items], None)
+    for key, t in keys.items():
+        assert torch.equal(got[key], t), key
+    with pytest.raises(ValueError, match="longer than a page"):
+        blobs["w"].prefixed(b" " * (os.sysconf("SC_PAGE_SIZE") + 1))
+    with pytest.raises(ValueError, match="not in a memory file"):
+        blobs["tiny"].prefixed(b"")
+
+
+def test_a_results_tensor_written_on_the_host_is_served_as_it_is_now(tmp_path):
+    params, blobs = _echoed({"w": torch.zeros(1 << 20)}, tmp_path)
+    _download.remember_result(params, blobs)
+    params["w"][-1] = 7.0  # a filter's write: a private page of the host's mapping
+    lean = _download.LeanTensorDownloadable({"T0": params["w"]}, 2 << 20)
+    item = lean.produce_item(0)
+    assert isinstance(item, bytes) and (lean.in_place, lean.copied) == (0, 1)
+    got = _download.load_tensors(item)["T0"]
+    assert got[-1].item() == 7.0 and not got[:-1].any()
+
+
+def test_a_served_result_lets_go_of_its_memory_files_once_released(tmp_path):
+    # What FLARE kept of the items (the views of the memory files) goes when the upload
+    # is released: the result's file is no longer mapped or open in this process.
+    params, blobs = _echoed({"w": torch.randn(4 << 20)}, tmp_path)  # 16 MiB
+    inode = os.fstat(blobs["w"].fileno).st_ino
+    _download.remember_result(params, blobs)
+    lean = _download.LeanTensorDownloadable({"T0": params["w"]}, 2 << 20)
+    lean.num_receivers = 1
+    state: dict = {}
+    kept = []
+    while True:
+        _rc, data, state = lean.produce(state, "server")
+        if data is None:
+            break
+        kept.append([data, kept])  # a reference cycle, as FLARE's streaming makes
+    assert lean.in_place == 1
+    assert inode in memfd_inodes()
+    del data, kept, params, blobs
+    lean.release()
+    assert wait_until(
+        lambda: inode not in memfd_inodes() and inode not in open_memfd_inodes(), 10
+    ), memfd_inodes().get(inode)
 
 
 def test_a_dtype_not_known_here_is_decoded_by_safetensors_into_the_heap():

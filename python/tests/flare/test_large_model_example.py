@@ -102,6 +102,15 @@ def test_bf16_model_round_trips_without_upcast(tmp_path, gpt_shape):
         r"task train: ([\d.]+) MiB arrived in memory files", site_log(ws, "site-1")
     )
     assert arrived == [f"{gpt_shape.nbytes(**cfg) / (1 << 20):.1f}"] * ROUNDS, arrived
+    # And the result went back from rank 0's memory files: FLARE's upload served the
+    # tensors in them without a copy (the small ones travel inline and are copied).
+    served = re.findall(
+        r"result served: \d+ items \(([\d.]+) MiB\) from memory files, \d+ \(([\d.]+) MiB\)",
+        site_log(ws, "site-1"),
+    )
+    assert len(served) == ROUNDS, served
+    for in_files, copied in served:
+        assert float(in_files) >= 0.9 * (float(in_files) + float(copied)), served
 
     saved = torch.load(
         ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt", weights_only=False
