@@ -35,7 +35,10 @@ plus ``flare.send()``); the whole job. Per site (``sites``: a client job process
 everything below it, with the memory files they hold), its own peak and the parts at
 it, above the baseline sample and above the site's idle value (``idle_gib``: its least
 from both ranks being up, torch imported, to rank 0's first ``received``; FLARE is
-often downloading the first model at the baseline sample already). ``--script inplace``
+often downloading the first model at the baseline sample already), and above the site
+at rest (``rest_gib``: the job process and torchrun at their least in that window, every
+rank as large as the other rank was last before the first ``received``; the idle value
+catches ranks still importing torch). ``--script inplace``
 replaces the example's ``client.py`` in the job by ``inplace_client.py`` (issue 41's
 plain in-place script) for both executors. A watchdog kills the run (its own processes, by
 pid) when ``MemAvailable`` drops under ``--min-avail`` and records ``"oom_guard": true``
@@ -370,6 +373,7 @@ def summarize(
     first_ask: float | None,
     model_bytes: int,
     first_received: float | None = None,
+    ranks: int = 2,
 ) -> dict:
     def g(b: int) -> float:
         return round(b / GIB, 3)
@@ -401,9 +405,9 @@ def summarize(
             out["client_above_baseline_gib"] = g(client(peak) - base)
             out["client_above_baseline_models"] = round((client(peak) - base) / model_bytes, 2)
         out["sites"] = _per_site(
-            samples, before[-1] if before else None, model_bytes, first_received
+            samples, before[-1] if before else None, model_bytes, first_received, ranks
         )
-        for key in ("above_baseline_models", "above_idle_models"):
+        for key in ("above_baseline_models", "above_idle_models", "above_rest_models"):
             got = [x[key] for x in out["sites"] if key in x]
             if got:
                 out[f"site_{key}_max"] = max(got)
@@ -419,7 +423,11 @@ def summarize(
 
 
 def _per_site(
-    samples: list[dict], base: dict | None, model_bytes: int, first_received: float | None
+    samples: list[dict],
+    base: dict | None,
+    model_bytes: int,
+    first_received: float | None,
+    ranks: int,
 ) -> list[dict]:
     """Each site's own peak (its job process, ranks and memory files at the sample where
     their sum peaked), above its value at the baseline sample, in GiB and models; and
@@ -442,16 +450,30 @@ def _per_site(
         if base is not None and site in base.get("sites", {}):
             row["baseline_gib"] = round(val(base) / GIB, 3)
             row["above_baseline_models"] = round((val(peak) - val(base)) / model_bytes, 2)
-        up = [
-            val(s)
+        up_samples = [
+            s
             for s in samples
             if (first_received is None or s["t"] <= first_received)
             and min((s.get("sites", {}).get(site) or {}).get(k, 0) for k in ("rank0", "rank_other"))
             >= RANK_UP
         ]
+        up = [val(s) for s in up_samples]
         if up:
             row["idle_gib"] = round(min(up) / GIB, 3)
             row["above_idle_models"] = round((val(peak) - min(up)) / model_bytes, 2)
+        if up_samples and ranks > 1:
+            # At rest: the job process and torchrun at their least, and every rank as the
+            # other rank(s) were last before rank 0's first receive (torch imported, the
+            # process group made, no model): the idle value above catches ranks still
+            # importing (a rank passes RANK_UP at about 0.2 GiB and rests at 0.33).
+            parts = [s["sites"][site] for s in up_samples]
+            rest = (
+                min(p.get("client_job", 0) for p in parts)
+                + min(p.get("torchrun", 0) for p in parts)
+                + parts[-1].get("rank_other", 0) * ranks / (ranks - 1)
+            )
+            row["rest_gib"] = round(rest / GIB, 3)
+            row["above_rest_models"] = round((val(peak) - rest) / model_bytes, 2)
         out.append(row)
     return out
 
@@ -549,6 +571,7 @@ def run_one(args: argparse.Namespace, impl: str, root: Path) -> dict:
             min(asks) if asks else None,
             model_bytes,
             min(received) if received else None,
+            args.ranks,
         ),
         "loadavg_before": [round(x, 2) for x in load0],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -625,6 +648,10 @@ def table(results: list[dict]) -> str:
         lambda r: "; ".join(
             f"{x['above_idle_models']:.2f} / {x['above_baseline_models']:.2f}" for x in r["sites"]
         ),
+    )
+    row(
+        "each site's own peak above the site at rest, models",
+        lambda r: "; ".join(f"{x.get('above_rest_models', float('nan')):.2f}" for x in r["sites"]),
     )
     row(
         "  at each site's peak: job process / torchrun / rank 0 / other ranks / memory files",

@@ -24,7 +24,12 @@
 //!   inherit it, so it does not keep the file's memory for its life (a child that reads
 //!   it faults).
 //! - Dropped views are unmapped in place: with the file held elsewhere no page is freed
-//!   by it.
+//!   by it. A copy of the value in a forked child (which has no such mapping) unmaps
+//!   nothing: the pid is checked at the drop.
+//! - The reservation is `PROT_NONE` and `MAP_NORESERVE` but for its first page, so it
+//!   does not count against a strict commit limit. Should mapping the file over it fail
+//!   (a mapping limit reached), the range is reserved again before the error returns:
+//!   no hole is left that the drop could unmap under another thread's new mapping.
 
 use std::ffi::c_void;
 use std::io;
@@ -78,6 +83,8 @@ pub struct PrefixedMap {
     /// Where the prefix starts within the reservation, and the view's length.
     start: usize,
     len: usize,
+    /// The process that mapped it: a forked child's copy unmaps nothing.
+    pid: u32,
 }
 
 // SAFETY: the mapping is read-only for its whole life (the prefix page is made read-only
@@ -123,8 +130,8 @@ impl PrefixedMap {
             rustix::mm::mmap_anonymous(
                 std::ptr::null_mut(),
                 total,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
         }
         .map_err(io::Error::from)?;
@@ -135,24 +142,49 @@ impl PrefixedMap {
             total,
             start: page - prefix.len(),
             len: prefix.len() + len,
+            pid: std::process::id(),
         };
+        // SAFETY: the reservation's first page, which only this value knows of.
+        unsafe { rustix::mm::mprotect(raw, page, MprotectFlags::READ | MprotectFlags::WRITE) }
+            .map_err(io::Error::from)?;
         if file_len > 0 {
             // SAFETY: `[base + page, base + total)` is inside the reservation made above,
             // which only this value knows of; MAP_FIXED replaces those pages of it and
             // nothing else. The file is sealed against writes and shrinking (checked
             // above) and holds the whole range but for the last page's tail, which reads
             // as zeros and is not part of the view.
-            unsafe {
+            let file_at = unsafe { raw.cast::<u8>().add(page).cast::<c_void>() };
+            // SAFETY: as above.
+            let mapped = unsafe {
                 rustix::mm::mmap(
-                    raw.cast::<u8>().add(page).cast(),
+                    file_at,
                     file_len,
                     ProtFlags::READ,
                     MapFlags::SHARED | MapFlags::FIXED,
                     fd,
                     offset,
                 )
+            };
+            if let Err(e) = mapped {
+                // A failed MAP_FIXED may have removed part of the reservation already:
+                // reserve the range again, so that the drop unmaps only ours. Should
+                // even that fail, the range is left as it is and not unmapped.
+                // SAFETY: the same range of the reservation, replaced by an inaccessible
+                // anonymous mapping; nothing else can have been mapped there meanwhile
+                // but by a MAP_FIXED of another thread into a range it does not own.
+                let again = unsafe {
+                    rustix::mm::mmap_anonymous(
+                        file_at,
+                        file_len,
+                        ProtFlags::empty(),
+                        MapFlags::PRIVATE | MapFlags::NORESERVE | MapFlags::FIXED,
+                    )
+                };
+                if again.is_err() {
+                    std::mem::forget(map);
+                }
+                return Err(PrefixError::Io(e.into()));
             }
-            .map_err(io::Error::from)?;
         }
         // SAFETY: the first page is the reservation's own, writable, and `start + prefix`
         // ends at its end (`prefix.len() <= page`, checked above).
@@ -171,7 +203,18 @@ impl PrefixedMap {
         Ok(map)
     }
 
-    /// The prefix and the file's bytes.
+    /// The length of the prefix and the file's bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no bytes at all (no prefix, an empty range).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The prefix and the file's bytes. In a forked child the range is not mapped
+    /// (`MADV_DONTFORK`): reading it there faults.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `[start, start + len)` lies within the reservation (the prefix ends at
         // the first page's end, the file's `len` bytes follow it), which is mapped
@@ -184,8 +227,13 @@ impl PrefixedMap {
 
 impl Drop for PrefixedMap {
     fn drop(&mut self) {
-        // SAFETY: the reservation made in `new`, unmapped once, here; `as_slice`'s
-        // borrows of it have ended (they borrow `self`).
+        if self.pid != std::process::id() {
+            // A forked child's copy: the child has no such mapping (`MADV_DONTFORK`),
+            // and the range may be something else of its own now.
+            return;
+        }
+        // SAFETY: the reservation made in `new`, unmapped once, here, in the process
+        // that made it; `as_slice`'s borrows of it have ended (they borrow `self`).
         if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr(), self.total) } {
             tracing::warn!(error = %e, "unmapping a prefixed view failed");
         }
@@ -297,11 +345,29 @@ mod tests {
             m.as_slice().as_ptr() as usize,
             m.as_slice()[1..].as_ptr() as usize,
         );
-        // SAFETY: between fork and `_exit` the child calls `mincore` only: system calls,
-        // no allocation and no lock another thread may have held.
+        // SAFETY: between fork and `_exit` the child calls `mincore` and `mmap` and drops
+        // its copy of `m` (a pid check): system calls only, no allocation and no lock
+        // another thread may have held.
         match unsafe { nix::unistd::fork() }.unwrap() {
             nix::unistd::ForkResult::Child => {
-                let code = i32::from(page_mapped(head) || page_mapped(payload));
+                let mut code = i32::from(page_mapped(head) || page_mapped(payload));
+                // The child's copy of the value must not unmap what is at its addresses
+                // in the child now: a page of the child's own there stays mapped.
+                let at = (head - head % page) as *mut c_void;
+                // SAFETY: a system call mapping one anonymous page where nothing is
+                // mapped in this child (checked just above); no allocation.
+                let own = unsafe {
+                    rustix::mm::mmap_anonymous(
+                        at,
+                        page,
+                        ProtFlags::READ,
+                        MapFlags::PRIVATE | MapFlags::FIXED_NOREPLACE,
+                    )
+                };
+                drop(m);
+                if own.is_err() || !page_mapped(head) {
+                    code = 2;
+                }
                 // SAFETY: `_exit` ends the child at once, running nothing of the parent's.
                 unsafe { nix::libc::_exit(code) }
             }
@@ -318,5 +384,6 @@ mod tests {
                 );
             }
         }
+        drop(m);
     }
 }

@@ -27,11 +27,13 @@ A result goes back through FLARE's download service, which the server pulls from
 one tensor an item (a safetensors file of one tensor: its header, then its bytes).
 ``remember_result`` marks the tensors ``ScriptExecutor`` made from the ranks' result
 (copy-on-write mappings of rank 0's sealed memory files); ``LeanTensorDownloadable``
-serves such a tensor, while no page of it was written, as its header and the memory
-file's own pages in one read-only buffer (``HostBlob.prefixed``): no copy of the model
-in the job process. Any other tensor is built with one copy, none ahead of its request.
-FLARE's streaming keeps what it sent in reference cycles that only a full collection
-frees: every 256 MiB copied, and once the upload is over (``release``), the garbage
+serves such a tensor of 10 MiB and up, while no page of it was written, as its
+header and the memory file's own pages in one read-only buffer (``HostBlob.prefixed``):
+no copy in the job process (FLARE sends a buffer of 10 MiB and up as a datum of its
+own, by reference; a smaller one is packed into its message, a copy either way). Any
+other tensor is built with one copy, none ahead of its request. FLARE's streaming keeps
+what it sent in reference cycles that only a full collection frees: every 256 MiB
+copied, and once an upload of 64 MiB or more is over (``release``), the garbage
 collector runs and the C heap is trimmed (without it a 1 GiB result left about one
 more model in the job process until the next task; BENCHMARKS.md, "FLARE's download
 into memory files", "A result served from its memory files").
@@ -68,6 +70,7 @@ from nvflare.fuel.f3.streaming.cacheable import ItemConsumer
 from nvflare.fuel.f3.streaming.download_service import download_object
 from nvflare.fuel.utils import fobs
 from nvflare.fuel.utils.fobs import dots
+from nvflare.fuel.utils.fobs.datum import TEN_MEGA
 from safetensors.torch import load as load_tensors
 
 from rankexec._rankexec import SharedBuffer, trim_heap
@@ -93,6 +96,12 @@ _GROWTH = 6
 #: Bytes let go between two trims of the C heap (items under glibc's mmap threshold).
 _TRIM_EVERY = 64 << 20
 _COLLECT_EVERY = 256 << 20
+#: The least tensor served from its memory file: FLARE's datum threshold (10 MiB). FLARE
+#: packs a smaller buffer into its message's body, a copy either way: such an item is
+#: built with one copy, as before, and costs no mapping.
+_VIEW_FROM = TEN_MEGA
+#: The least upload after which ``release`` collects (a small one leaves little).
+_COLLECT_AFTER = 64 << 20
 _log = logging.getLogger(__name__)
 
 # safetensors' dtype names (what FLARE's items carry) and torch's.
@@ -359,11 +368,14 @@ def _item_of(key: str, t: torch.Tensor) -> bytes:
 
 def _item_in_place(key: str, t: torch.Tensor) -> memoryview | None:
     """``t`` as a safetensors item without a copy: its header, then the pages of the
-    result's memory file under it (``HostBlob.prefixed``), when ``t`` is a tensor
-    ``remember_result`` marked and no page of it was written; else None."""
+    result's memory file under it (``HostBlob.prefixed``), when ``t`` is a tensor of at
+    least ``_VIEW_FROM`` bytes that ``remember_result`` marked and no page of it was
+    written; else None."""
+    if t.numel() * t.element_size() < _VIEW_FROM:
+        return None
     blob = sealed_slice(t)
     prefixed = getattr(blob, "prefixed", None)
-    if prefixed is None or t.numel() == 0:
+    if prefixed is None:
         return None
     try:
         return memoryview(prefixed(_item_header(key, t)))
@@ -389,18 +401,21 @@ class LeanTensorDownloadable(TensorDownloadable):
     def release(self) -> None:
         # The upload is over: what FLARE kept of the items (reference cycles holding
         # them, or the memory files' views) goes now, not at some later collection.
+        # Called on one of FLARE's threads, with none of its locks held.
         super().release()
-        t0 = time.perf_counter()
-        gc.collect()
-        trim_heap()
+        collected = ""
+        if self.in_place_bytes + self.copied_bytes >= _COLLECT_AFTER:
+            t0 = time.perf_counter()
+            gc.collect()
+            trim_heap()
+            collected = f"; collected in {(time.perf_counter() - t0) * 1e3:.0f} ms"
         _log.info(
-            "result served: %d items (%.1f MiB) from memory files, %d (%.1f MiB) copied; "
-            "collected in %.0f ms",
+            "result served: %d items (%.1f MiB) from memory files, %d (%.1f MiB) copied%s",
             self.in_place,
             self.in_place_bytes / (1 << 20),
             self.copied,
             self.copied_bytes / (1 << 20),
-            (time.perf_counter() - t0) * 1e3,
+            collected,
         )
 
     def produce_item(self, index: int) -> bytes:

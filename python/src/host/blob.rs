@@ -68,9 +68,11 @@ impl HostBlob {
         let map = py
             .detach(|| PrefixedMap::new(fd.as_fd(), offset, len, prefix))
             .map_err(|e| match e {
-                PrefixError::Io(_) => PyOSError::new_err(format!("prefixed view: {e}")),
+                PrefixError::Io(ref io) => PyOSError::new_err(format!("prefixed view: {e}: {io}")),
                 _ => PyValueError::new_err(format!("prefixed view: {e}")),
             })?;
+        // A view's bytes are read by this process only (a forked child has no such
+        // mapping: `PrefixedMap`'s caveats).
         Ok(PrefixedView { map })
     }
 
@@ -147,7 +149,7 @@ pub struct PrefixedView {
 #[pymethods]
 impl PrefixedView {
     fn __len__(&self) -> usize {
-        self.map.as_slice().len()
+        self.map.len()
     }
 
     /// # Safety

@@ -248,26 +248,29 @@ def _echoed(tensors: dict, tmp_path) -> tuple[dict, dict]:
     return params, result.blobs
 
 
-def test_a_results_tensors_are_served_from_their_memory_files(tmp_path):
+def test_a_results_tensors_are_served_from_their_memory_files(tmp_path, monkeypatch):
     # rank 0's result, in memory files: each item is its header, then the file's own
     # pages (HostBlob.prefixed), byte for byte what FLARE's producer would build.
     from nvflare.app_opt.pt.tensor_downloader import TensorConsumer
 
+    monkeypatch.setattr(_download, "_VIEW_FROM", 2 << 20)  # 10 MiB: tensors this small
     sent = {
         "w": torch.randn(1 << 20),  # 4 MiB
         "h": torch.arange(3 << 19, dtype=torch.float32).to(torch.bfloat16).reshape(3, -1),
+        "mid": torch.randn(1 << 18),  # 1 MiB, in a memory file, under _VIEW_FROM: copied
         "tiny": torch.ones(3),  # sent inline by the core: built with a copy
     }
     params, blobs = _echoed(sent, tmp_path)
-    assert _download.remember_result(params, blobs) == 2
-    keys = {"T0": params["w"], "T1": params["h"], "T2": params["tiny"]}  # FLARE's ids
+    assert _download.remember_result(params, blobs) == 3
+    names = ("w", "h", "mid", "tiny")
+    keys = {f"T{i}": params[name] for i, name in enumerate(names)}  # FLARE's ids
     lean = _download.LeanTensorDownloadable(keys, 2 << 20)
     flares = TensorDownloadable({k: v.clone() for k, v in keys.items()}, 2 << 20)
-    items = [lean.produce_item(i) for i in range(3)]
+    items = [lean.produce_item(i) for i in range(len(keys))]
     for i, item in enumerate(items):
         assert bytes(item) == flares.produce_item(i), i
-    assert isinstance(items[0], memoryview) and isinstance(items[1], memoryview)
-    assert (lean.in_place, lean.copied) == (2, 1)
+    assert [type(i).__name__ for i in items] == ["memoryview", "memoryview", "bytes", "bytes"]
+    assert (lean.in_place, lean.copied) == (2, 2)
     for item, name in zip(items[:2], ("w", "h"), strict=True):
         # The tensor's bytes in the item are a mapping of the result's memory file.
         data = np.frombuffer(item, dtype=np.uint8)[item.nbytes - len(blobs[name]) :]
@@ -293,9 +296,10 @@ def test_a_results_tensor_written_on_the_host_is_served_as_it_is_now(tmp_path):
     assert got[-1].item() == 7.0 and not got[:-1].any()
 
 
-def test_a_served_result_lets_go_of_its_memory_files_once_released(tmp_path):
+def test_a_served_result_lets_go_of_its_memory_files_once_released(tmp_path, monkeypatch):
     # What FLARE kept of the items (the views of the memory files) goes when the upload
     # is released: the result's file is no longer mapped or open in this process.
+    monkeypatch.setattr(_download, "_COLLECT_AFTER", 16 << 20)
     params, blobs = _echoed({"w": torch.randn(4 << 20)}, tmp_path)  # 16 MiB
     inode = os.fstat(blobs["w"].fileno).st_ino
     _download.remember_result(params, blobs)
@@ -315,6 +319,22 @@ def test_a_served_result_lets_go_of_its_memory_files_once_released(tmp_path):
     assert wait_until(
         lambda: inode not in memfd_inodes() and inode not in open_memfd_inodes(), 10
     ), memfd_inodes().get(inode)
+
+
+def test_a_small_upload_is_released_without_a_collection(monkeypatch):
+    # A full collection holds the GIL for 100-200 ms on FLARE's callback thread: only
+    # an upload of _COLLECT_AFTER bytes or more pays it.
+    calls = []
+    monkeypatch.setattr(_download.gc, "collect", lambda *a: calls.append(a) or 0)
+    lean = _download.LeanTensorDownloadable({"T0": torch.zeros(1 << 10)}, 2 << 20)
+    lean.produce_item(0)
+    lean.release()
+    assert calls == []
+    monkeypatch.setattr(_download, "_COLLECT_AFTER", 1)
+    lean = _download.LeanTensorDownloadable({"T0": torch.zeros(1 << 10)}, 2 << 20)
+    lean.produce_item(0)
+    lean.release()
+    assert calls == [()]
 
 
 def test_a_dtype_not_known_here_is_decoded_by_safetensors_into_the_heap():
