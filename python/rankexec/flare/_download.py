@@ -27,14 +27,14 @@ A result goes back through FLARE's download service, which the server pulls from
 one tensor an item (a safetensors file of one tensor: its header, then its bytes).
 ``remember_result`` marks the tensors ``ScriptExecutor`` made from the ranks' result
 (copy-on-write mappings of rank 0's sealed memory files); ``LeanTensorDownloadable``
-serves such a tensor of 10 MiB and up, while no page of it was written, as its
-header and the memory file's own pages in one read-only buffer (``HostBlob.prefixed``):
-no copy in the job process (FLARE sends a buffer of 10 MiB and up as a datum of its
-own, by reference; a smaller one is packed into its message, a copy either way). Any
-other tensor is built with one copy, none ahead of its request. FLARE's streaming keeps
-what it sent in reference cycles that only a full collection frees: every 256 MiB
-copied, and once an upload of 64 MiB or more is over (``release``), the garbage
-collector runs and the C heap is trimmed (without it a 1 GiB result left about one
+serves such a tensor of 1 MiB and up, while no page of it was written, as its header
+and the memory file's own pages in one read-only buffer (``HostBlob.prefixed``): no
+copy in the job process for one of 10 MiB and up, which FLARE sends as a datum of its
+own, by reference; FLARE packs a smaller one into its message, its one copy. Any other
+tensor is built with one copy, none ahead of its request. FLARE's streaming keeps what
+it sent in reference cycles that only a full collection frees: every 128 MiB copied
+(by us or into FLARE's messages), and once an upload of 64 MiB or more is over
+(``release``), the garbage collector runs and the C heap is trimmed (without it a 1 GiB result left about one
 more model in the job process until the next task; BENCHMARKS.md, "FLARE's download
 into memory files", "A result served from its memory files").
 
@@ -95,11 +95,14 @@ PART_LEAST = 64 << 20
 _GROWTH = 6
 #: Bytes let go between two trims of the C heap (items under glibc's mmap threshold).
 _TRIM_EVERY = 64 << 20
-_COLLECT_EVERY = 256 << 20
-#: The least tensor served from its memory file: FLARE's datum threshold (10 MiB). FLARE
-#: packs a smaller buffer into its message's body, a copy either way: such an item is
-#: built with one copy, as before, and costs no mapping.
-_VIEW_FROM = TEN_MEGA
+_COLLECT_EVERY = 128 << 20
+#: The least tensor served from its memory file (a smaller one is built with a copy: the
+#: mapping would cost more than the copy saves).
+_VIEW_FROM = 1 << 20
+#: FLARE sends a buffer of this size and up as a datum of its own, by reference; it
+#: packs a smaller one into its message's body: a copy, which it keeps until a
+#: collection as it keeps the message.
+_DATUM_FROM = TEN_MEGA
 #: The least upload after which ``release`` collects (a small one leaves little).
 _COLLECT_AFTER = 64 << 20
 _log = logging.getLogger(__name__)
@@ -439,6 +442,8 @@ class LeanTensorDownloadable(TensorDownloadable):
             if view is not None:
                 self.in_place += 1
                 self.in_place_bytes += view.nbytes
+                if view.nbytes < _DATUM_FROM:
+                    self._served += view.nbytes  # FLARE's message holds a copy of it
                 return view  # type: ignore[return-value]  # FLARE sends any buffer
             item = _item_of(key, tensor)
         else:

@@ -253,7 +253,7 @@ def test_a_results_tensors_are_served_from_their_memory_files(tmp_path, monkeypa
     # pages (HostBlob.prefixed), byte for byte what FLARE's producer would build.
     from nvflare.app_opt.pt.tensor_downloader import TensorConsumer
 
-    monkeypatch.setattr(_download, "_VIEW_FROM", 2 << 20)  # 10 MiB: tensors this small
+    monkeypatch.setattr(_download, "_VIEW_FROM", 2 << 20)  # 1 MiB: tensors this small
     sent = {
         "w": torch.randn(1 << 20),  # 4 MiB
         "h": torch.arange(3 << 19, dtype=torch.float32).to(torch.bfloat16).reshape(3, -1),
@@ -271,6 +271,9 @@ def test_a_results_tensors_are_served_from_their_memory_files(tmp_path, monkeypa
         assert bytes(item) == flares.produce_item(i), i
     assert [type(i).__name__ for i in items] == ["memoryview", "memoryview", "bytes", "bytes"]
     assert (lean.in_place, lean.copied) == (2, 2)
+    # FLARE packs items under its datum size into its messages (a copy it keeps until a
+    # collection): those count toward the next collection, served in place or not.
+    assert lean._served == sum(len(i) for i in items)
     for item, name in zip(items[:2], ("w", "h"), strict=True):
         # The tensor's bytes in the item are a mapping of the result's memory file.
         data = np.frombuffer(item, dtype=np.uint8)[item.nbytes - len(blobs[name]) :]
@@ -313,6 +316,7 @@ def test_a_served_result_lets_go_of_its_memory_files_once_released(tmp_path, mon
             break
         kept.append([data, kept])  # a reference cycle, as FLARE's streaming makes
     assert lean.in_place == 1
+    assert lean._served == 0  # 16 MiB: a datum of its own, FLARE copies nothing
     assert inode in memfd_inodes()
     del data, kept, params, blobs
     lean.release()
