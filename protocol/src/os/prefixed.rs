@@ -28,8 +28,12 @@
 //!   nothing: the pid is checked at the drop.
 //! - The reservation is `PROT_NONE` and `MAP_NORESERVE` but for its first page, so it
 //!   does not count against a strict commit limit. Should mapping the file over it fail
-//!   (a mapping limit reached), the range is reserved again before the error returns:
-//!   no hole is left that the drop could unmap under another thread's new mapping.
+//!   (a descriptor not open for reading, a mapping limit reached), the range is
+//!   reserved again where it is wholly free; where it is not (the failed call left the
+//!   reservation, or another thread mapped into a hole it left) the reservation stays
+//!   mapped for the life of the process, inaccessible and costing no memory, rather
+//!   than being unmapped under someone else's mapping. For rankexec's own memory files,
+//!   open for reading, that takes a kernel out of memory for mappings.
 
 use std::ffi::c_void;
 use std::io;
@@ -166,18 +170,19 @@ impl PrefixedMap {
                 )
             };
             if let Err(e) = mapped {
-                // A failed MAP_FIXED may have removed part of the reservation already:
-                // reserve the range again, so that the drop unmaps only ours. Should
-                // even that fail, the range is left as it is and not unmapped.
-                // SAFETY: the same range of the reservation, replaced by an inaccessible
-                // anonymous mapping; nothing else can have been mapped there meanwhile
-                // but by a MAP_FIXED of another thread into a range it does not own.
+                // A failed MAP_FIXED may have removed part of the reservation already,
+                // and another thread's mapping may have landed in the hole since:
+                // reserve the range again only where it is wholly free
+                // (MAP_FIXED_NOREPLACE), so that the drop unmaps only ours; otherwise the
+                // reservation is left in place, never unmapped (address space, no memory).
+                // SAFETY: MAP_FIXED_NOREPLACE maps nothing over an existing mapping: it
+                // fails instead.
                 let again = unsafe {
                     rustix::mm::mmap_anonymous(
                         file_at,
                         file_len,
                         ProtFlags::empty(),
-                        MapFlags::PRIVATE | MapFlags::NORESERVE | MapFlags::FIXED,
+                        MapFlags::PRIVATE | MapFlags::NORESERVE | MapFlags::FIXED_NOREPLACE,
                     )
                 };
                 if again.is_err() {
@@ -318,6 +323,19 @@ mod tests {
         assert!(matches!(
             PrefixedMap::new(fd.as_fd(), page as u64, page + 1, b""),
             Err(PrefixError::PastEnd { .. })
+        ));
+        // Mapping the file itself fails (a descriptor opened write-only cannot be mapped
+        // for reading): an i/o error; the reservation is not unmapped blindly.
+        let write_only = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(&fd)
+            ))
+            .unwrap();
+        assert!(matches!(
+            PrefixedMap::new(write_only.as_fd(), 0, page, b"h"),
+            Err(PrefixError::Io(_))
         ));
         let writable = memfd(&[0u8; 64], SealFlags::empty());
         assert!(matches!(
