@@ -68,9 +68,17 @@ def dep(tmp_path_factory: pytest.TempPathFactory):
     finally:
         d.stop()
         try:
-            wait_until(lambda: not pids_with_env(str(root)), 30, "no process of the test left")
+            # 60 s, as test_production's: the Deployment's own processes (SuperLink,
+            # SuperNodes, their apps) took over 30 s to go under a loaded CI once.
+            wait_until(lambda: not pids_with_env(str(root)), 60, "no process of the test left")
         finally:
             left = pids_with_env(str(root))
+            for pid in left:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    print(f"[flower] left after stop: {pid} {cmd.decode(errors='replace')[:200]}")
+                except OSError:
+                    pass
             for pid in left:  # never leave anything behind, even when the test fails
                 os.kill(pid, signal.SIGKILL)
         print(f"\n[flower] after stop: {len(left)} processes left")
