@@ -247,6 +247,7 @@ impl Drop for PrefixedMap {
 
 #[cfg(test)]
 mod tests {
+    use crate::os::page_mapped;
     use std::os::fd::{AsFd, OwnedFd};
 
     use rustix::fs::MemfdFlags;
@@ -342,16 +343,6 @@ mod tests {
             PrefixedMap::new(writable.as_fd(), 0, 64, b""),
             Err(PrefixError::NotSealed)
         ));
-    }
-
-    /// Whether `addr`'s page is mapped, by `mincore` (a system call only: safe in a
-    /// child forked from this multi-threaded test process).
-    fn page_mapped(addr: usize) -> bool {
-        let addr = addr - addr % page_size() as usize; // mincore takes a page's start
-        let mut v = [0u8; 1];
-        // SAFETY: `mincore` only reads the page tables and writes one byte to `v`; an
-        // unmapped address is reported as ENOMEM, not touched.
-        unsafe { nix::libc::mincore(addr as *mut _, 1, v.as_mut_ptr()) == 0 }
     }
 
     #[test]

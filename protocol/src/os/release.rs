@@ -112,6 +112,7 @@ pub fn mapping_bytes(map: Mmap) -> Bytes {
 
 #[cfg(test)]
 mod tests {
+    use crate::os::page_mapped;
     use std::os::fd::AsRawFd;
     use std::time::{Duration, Instant};
 
@@ -167,15 +168,6 @@ mod tests {
             .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
             .any(|c| c.trim() == "unmap");
         assert!(name, "the unmap thread runs in this process");
-    }
-
-    /// Whether `addr`'s page is mapped, by `mincore` (a system call only: safe in a
-    /// child forked from this multi-threaded test process).
-    fn page_mapped(addr: usize) -> bool {
-        let mut v = [0u8; 1];
-        // SAFETY: `mincore` only reads the page tables and writes one byte to `v`; an
-        // unmapped address is reported as ENOMEM, not touched.
-        unsafe { nix::libc::mincore(addr as *mut _, 4096, v.as_mut_ptr()) == 0 }
     }
 
     #[test]
