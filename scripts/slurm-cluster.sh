@@ -66,11 +66,30 @@ chmod 0700 "$DIR/munge"
 HOST="$(hostname -s)"
 CPUS="$(nproc --all)"
 MEM_MB="$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)"
+# A free port below the kernel's ephemeral range, where an outgoing connection cannot
+# take it before the daemon binds it (python/rankexec/_ports.py says why).
 free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+    python3 -c '
+import random, socket
+high = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(64):
+    port = random.randrange(25000, max(high, 25065))
+    try:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", port))
+        print(port)
+        break
+    except OSError:
+        pass
+else:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        print(s.getsockname()[1])
+'
 }
 CTLD_PORT="$(free_port)"
 SLURMD_PORT="$(free_port)"
+while [ "$SLURMD_PORT" = "$CTLD_PORT" ]; do SLURMD_PORT="$(free_port)"; done
 
 # munge: its own key and socket under DIR, so a system munged is left alone.
 dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none

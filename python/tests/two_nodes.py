@@ -19,25 +19,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from rankexec._ports import free_port
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-
-
-def _free_port(addr: str) -> int:
-    # torchrun's c10d endpoint needs a port chosen up front (its own limitation).
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(argv: list[str]) -> int:
     ns, host, peer, host_if, peer_if, world, *cmd = argv
     per_node = int(world) // 2
-    port = _free_port(host)
+    # torchrun's c10d endpoint needs a port chosen up front (its own limitation).
+    port = free_port(host)
     rdzv_id = os.environ.get("RANKEXEC_LAUNCH_ID", "rankexec")
 
     def agent(node: int, addr: str, ifname: str) -> subprocess.Popen:

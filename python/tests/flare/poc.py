@@ -18,12 +18,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from rankexec._ports import free_port
 
 from .flare_helpers import NVFLARE, wait_until
 
@@ -53,13 +54,6 @@ def _project_yml(fed_port: int, admin_port: int, clients: int) -> str:
         "- path: nvflare.lighter.impl.cert.CertBuilder\n"
         "- path: nvflare.lighter.impl.signature.SignatureBuilder\n"
     )
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick; FLARE binds it later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _proc_mentions(pid: int, needle: bytes) -> bool:
