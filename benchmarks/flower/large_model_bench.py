@@ -24,6 +24,9 @@ weight in place, and replies ``ArrayRecord(model.state_dict())``.
 - ``rankexec``: ``rankexec.flower.ClientApp(num_of_processes=--ranks)``: the same handler
   on every rank of the node's group; rank 0 trains and answers, the others answer at
   once. The handler is the same code both ways (the model is built for each message).
+- ``IMPL+files`` (e.g. ``rankexec-shared+files``): any of these with the SuperNode under
+  ``--isolation process`` beside ``rankexec-flower-superexec``, whose ClientApp
+  processes pull the message's arrays into memory files (``rankexec.flower.superexec``).
 
 Every ``--interval`` s the sampler reads ``/proc/PID/smaps_rollup`` of every process
 that carries the deployment's folder in its environment and sorts it by its command
@@ -279,6 +282,8 @@ def classify(pid: int) -> str:
         return "supernode"
     if "flwr-clientapp" in cmd:
         return "clientapp"
+    if "rankexec-flower-superexec" in cmd:  # a node's own (`+files`)
+        return "clientapp"
     if "flower-superexec" in cmd:
         return "clientapp" if "clientapp" in cmd else "server"
     return "other"
@@ -329,12 +334,14 @@ class Sampler(threading.Thread):
 
 def run_one(args: argparse.Namespace, impl: str) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"flower-lm-{impl}-"))
-    app = write_app(root, impl, args.ranks)
+    code, _, pull = impl.partition("+")
+    app = write_app(root, code, args.ranks)
     out = root / "result.json"
     dep = Deployment(
         root / "dep",
         ["partition-id=0 num-partitions=1"],
         env={"RANKEXEC_FLOWER_DIR": str(root / "rx"), "RANKEXEC_LOG": "warn"},
+        pull=pull or "flower",
     )
     needle = str(root).encode()
     sampler = Sampler(needle, args.interval, int(args.min_avail * GIB))
@@ -396,6 +403,7 @@ def run_one(args: argparse.Namespace, impl: str) -> dict:
         "dtype": args.dtype,
         "rounds": args.rounds,
         "ranks": args.ranks if impl.startswith("rankexec") else 1,
+        "pull": pull or "flower",
         "status": status,
         "oom_guard": sampler.tripped,
         "model_gib": round(model / GIB, 3),

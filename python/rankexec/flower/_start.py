@@ -10,7 +10,8 @@ A host the site runs as its own service user (``RANKEXEC_FLOWER_NODE_DIR``, see
 runs as ``RANKEXEC_FLOWER_HOST_UID``, or fails naming the folder.
 
 Caveats: the SuperNode is found among this process's ancestors by its program name
-(``flower-supernode``); under the Simulation Engine the Ray actor's pid is watched
+(``flower-supernode``), or, under ``--isolation process``, as the process that listens
+on this ``flwr-clientapp``'s ``--runtime-api-address`` (``_supernode``); under the Simulation Engine the Ray actor's pid is watched
 instead. What the host allows is its own reading of the site, never this process's.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from rankexec.flower import _channel, _peer
 from rankexec.flower._channel import ChannelError
+from rankexec.flower._supernode import runtime_port, supernode_listening_on
 
 # rankexec.flower.host's exit code when another host serves the node.
 HOST_TAKEN_EXIT = 3
@@ -52,12 +54,20 @@ def _ancestors() -> Iterable[tuple[int, list[str]]]:
         pid = int(ppid[0].split()[1]) if ppid else 0
 
 
+def _is_supernode(argv: list[str]) -> bool:
+    return any(os.path.basename(a) == "flower-supernode" for a in argv[:2])
+
+
 def _supernode() -> int | None:
-    """The SuperNode this ClientApp process runs under (the host reads its settings)."""
+    """The SuperNode this ClientApp process runs under (the host reads its settings):
+    an ancestor, or, under ``--isolation process`` (a SuperExec the site runs beside
+    the node, such as ``rankexec-flower-superexec``), the ``flower-supernode`` that
+    listens on this process's ``--runtime-api-address``."""
     for pid, argv in _ancestors():
-        if any(os.path.basename(a) == "flower-supernode" for a in argv[:2]):
+        if _is_supernode(argv):
             return pid
-    return None
+    port = runtime_port(sys.argv)
+    return supernode_listening_on(port) if port is not None else None
 
 
 def connect_or_start(directory: Path, node_id: int) -> Any:

@@ -14,6 +14,9 @@ for 127.0.0.1 made under ``root/tls`` by ``_tls``; the SuperNodes and ``flwr`` t
 the CA); ``node_auth=True`` adds SuperNode authentication (``--enable-supernode-auth``,
 a key pair per node under ``root/keys``, each public key registered with ``flwr
 supernode register`` before its SuperNode starts). Without either: ``--insecure``.
+``pull="files"`` runs each SuperNode with ``--isolation process`` beside a
+``rankexec-flower-superexec`` of its own (``rankexec.flower.superexec``: ClientApp
+processes that pull a message's arrays into memory files).
 
 Caveats: a loopback test federation; every wait is bounded and raises
 ``DeploymentError`` with the logs' tails.
@@ -26,13 +29,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from rankexec._ports import free_port
 from rankexec.flower import _control, _tls
 
 __all__ = ["Deployment", "DeploymentError", "free_port"]
@@ -40,12 +43,6 @@ __all__ = ["Deployment", "DeploymentError", "free_port"]
 
 class DeploymentError(RuntimeError):
     """A Flower process failed to start, or a run did not end in time."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _bin(name: str) -> str:
@@ -67,6 +64,7 @@ class Deployment:
         simulation_cpus: float | None = None,
         tls: bool = False,
         node_auth: bool = False,
+        pull: str = "flower",
     ) -> None:
         self.root = Path(root)
         self.home = self.root / "flwr-home"
@@ -82,6 +80,13 @@ class Deployment:
             **(env or {}),
         }
         self.node_configs = node_configs
+        # "files": each SuperNode with `--isolation process` and its own
+        # `rankexec-flower-superexec`, whose ClientApp processes pull a message's arrays
+        # into memory files (rankexec.flower.superexec); "flower": Flower's own.
+        if pull not in ("flower", "files"):
+            raise ValueError(f"pull is 'flower' or 'files', not {pull!r}")
+        self.pull = pull
+        self.superexecs: list[subprocess.Popen[bytes]] = []
         # > 0: the Simulation Engine (Ray) with that many virtual SuperNodes instead.
         self.simulation_nodes = simulation_nodes
         # The CPUs Ray gives each virtual node's actor (Flower's default: 2), so how many
@@ -150,23 +155,40 @@ class Deployment:
         if self.node_keys:
             self._register_nodes(deadline)
         for i, node_config in enumerate(self.node_configs):
-            self.supernodes.append(
-                self._spawn(
-                    [
-                        _bin("flower-supernode"),
-                        *self._node_security(i),
-                        "--superlink",
-                        f"127.0.0.1:{self.port}",
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        node_config,
-                    ],
-                    f"supernode-{i}.log",
-                )
+            runtime = free_port()
+            isolation = ["--isolation", "process"] if self.pull == "files" else []
+            node = self._spawn(
+                [
+                    _bin("flower-supernode"),
+                    *self._node_security(i),
+                    "--superlink",
+                    f"127.0.0.1:{self.port}",
+                    "--port",
+                    str(runtime),
+                    *isolation,
+                    "--node-config",
+                    node_config,
+                ],
+                f"supernode-{i}.log",
             )
+            self.supernodes.append(node)
+            if self.pull == "files":
+                # The node's Runtime API is plain HTTP on loopback (Flower's default).
+                self.superexecs.append(
+                    self._spawn(
+                        [
+                            _bin("rankexec-flower-superexec"),
+                            "--insecure",
+                            "--runtime-api-address",
+                            f"127.0.0.1:{runtime}",
+                            "--parent-pid",
+                            str(node.pid),
+                        ],
+                        f"superexec-{i}.log",
+                    )
+                )
         while not self._nodes_online():
-            for p in [self.superlink, *self.supernodes]:
+            for p in [self.superlink, *self.supernodes, *self.superexecs]:
                 if p.poll() is not None:
                     raise DeploymentError(f"{p.args!r} exited ({p.returncode})\n{self.log_tail()}")
             if time.monotonic() > deadline:
@@ -279,11 +301,12 @@ class Deployment:
 
     def pids(self) -> list[int]:
         """The pids of the processes this deployment started (still running or not)."""
-        return [p.pid for p in [self.superlink, *self.supernodes] if p is not None]
+        procs = [self.superlink, *self.supernodes, *self.superexecs]
+        return [p.pid for p in procs if p is not None]
 
     def stop(self) -> None:
         """Stops every process it started, by pid (SIGTERM, then SIGKILL)."""
-        procs = [p for p in [*self.supernodes, self.superlink] if p is not None]
+        procs = [p for p in [*self.superexecs, *self.supernodes, self.superlink] if p is not None]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

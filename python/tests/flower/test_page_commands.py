@@ -14,7 +14,12 @@ blocks, read from the pages through ``docrun.console``):
    online, and the node host's reading of its rules (``_site.supernode_settings`` of the
    SuperNode's pid, then ``_site.load``: what ``Host`` does for every message) finds
    that site file, the page's own (its ``file:`` block), and refuses past its limit
-   naming it.
+   naming it;
+3. docs/flower-production.md, ``lean-node``: the SuperNode with ``--isolation process``
+   and ``rankexec-flower-superexec`` beside it, against an ``--insecure`` SuperLink;
+   the SuperExec takes the SuperNode as its ``--parent-pid``, and a run of
+   ``pull_app``'s three multi-chunk arrays completes with every byte as sent on both
+   ranks, the SuperExec's output naming the three arrays.
 
 The only changes to the page's commands are the test's declared substitutions: the
 SuperLink's address the page shows (``link.example.org:9092``, ``10.0.0.1:9092``) is
@@ -52,8 +57,9 @@ from rankexec.flower import _control, _runcheck, _site, _tls
 from rankexec.flower.deployment import Deployment, free_port
 
 from .helpers import pid_alive, pids_with_env, wait_until
+from .pull_app import write_app
 
-DAEMONS = ("flower-superlink", "flower-supernode")
+DAEMONS = ("flower-superlink", "flower-supernode", "rankexec-flower-superexec")
 SUPERNODE_RUNTIME_PORT = 9094  # flower-supernode's --port default (flwr 1.42)
 
 
@@ -292,3 +298,62 @@ def test_the_supernode_with_a_site_file_runs_as_shown(tmp_path: Path) -> None:
     finally:
         _leave_nothing(tmp_path, daemons, dep)
     print(f"\n[page commands] flower-site.md supernode-site: {time.monotonic() - t0:.1f}s")
+
+
+def test_the_node_with_rankexecs_superexec_runs_as_shown(tmp_path: Path) -> None:
+    """docs/flower-production.md's SuperNode with ``--isolation process`` and
+    ``rankexec-flower-superexec`` beside it, as shown, against an ``--insecure``
+    SuperLink: the node comes online, a run whose message carries three multi-chunk
+    arrays completes with every byte as sent on both ranks, the node's host watches
+    that SuperNode (found by its Runtime API port), the SuperExec's output names the
+    three arrays, and the SuperExec leaves with the SuperNode."""
+    assert _port_free(SUPERNODE_RUNTIME_PORT), "127.0.0.1:9094 (the SuperNode's) is taken"
+    rx = {"RANKEXEC_FLOWER_DIR": str(tmp_path / "rx")}
+    env = _env(tmp_path) | rx
+    dep = Deployment(tmp_path / "link", [], env=rx)
+    daemons = Daemons(tmp_path)
+    t0 = time.monotonic()
+    try:
+        dep.start()
+        link = f"127.0.0.1:{dep.port}"
+        steps = docrun.console(
+            "docs/flower-production.md",
+            "lean-node",
+            paths={"10.0.0.1:9092": Path(link)},
+            cwd=tmp_path,
+        )
+        names = [Path(s.argv[0]).name for s in steps]
+        assert names == ["flower-supernode", "rankexec-flower-superexec"], names
+        node = daemons.start(steps[0], env)
+        _wait_nodes(daemons, link, None, 1)
+        superexec = daemons.start(steps[1], env)
+        result = tmp_path / "result.json"
+        run = dep.submit(write_app(tmp_path, "rankexec"), {"result-file": str(result)})
+        status = dep.wait_run(run, 600)
+        assert status == "finished:completed", f"{status}\n{dep.last_failure}"
+        res = json.loads(result.read_text())
+        assert res.get("plus_one"), res
+        for rank in (0, 1):
+            seen = json.loads(Path(f"{result}.rank{rank}").read_text())
+            assert {k: v[0] for k, v in seen.items()} == res["digests"], (rank, seen)
+        # The node's host was told which SuperNode to watch: the page's.
+        hosts = [p for p in pids_with_env(str(tmp_path)) if b"rankexec.flower.host" in _cmdline(p)]
+        assert len(hosts) == 1, hosts
+        assert f"--supernode-pid\0{node.pid}\0".encode() in _cmdline(hosts[0]), _cmdline(hosts[0])
+        daemons.alive()
+        # The SuperNode stopped (as its service would be): the SuperExec leaves with it.
+        os.killpg(node.pid, signal.SIGTERM)
+        node.wait(timeout=30)  # reaped, as its service manager would (a zombie "exists")
+        wait_until(lambda: superexec.poll() is not None, 30, "the SuperExec gone with its node")
+        print(f"[page commands] the SuperExec exited {superexec.returncode} after its node")
+        daemons.stop_and_check()  # the node's output, the SuperExec's (the arrays named)
+    finally:
+        _leave_nothing(tmp_path, daemons, dep)
+    print(f"\n[page commands] flower-production.md lean-node: {time.monotonic() - t0:.1f}s")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

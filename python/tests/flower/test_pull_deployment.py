@@ -1,0 +1,104 @@
+"""``rankexec-flower-superexec`` under Flower's real Deployment Engine (flwr 1.42): one
+SuperLink and one SuperNode with ``--isolation process`` beside rankexec's SuperExec
+(``Deployment(pull="files")``), offline.
+
+1. rankexec's ``ClientApp`` with two ranks: the ServerApp sends a model of three
+   multi-chunk arrays (random bytes) and a small one; both ranks see every array's bytes
+   as the server sent them (SHA-256 of each, compared on the server), the node's
+   ClientApp process says it pulled the three into memory files, and rank 0's reply
+   (each weight + 1) reaches the server.
+2. Flower's own ``ClientApp`` on the same node: ``to_torch_state_dict()`` of the arrays
+   pulled into memory files gives the server's values.
+
+Every process is stopped by pid afterwards; nothing that carries the test's folder in
+its environment is left (the SuperExec, its ClientApp processes, and the node's host
+and ranks, which leave with the SuperNode: the host finds it as the SuperExec's
+``--parent-pid``, the SuperNode not being a ClientApp process's ancestor here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("torch")
+
+from rankexec.flower.deployment import Deployment
+
+from .helpers import pids_with_env, wait_until
+from .pull_app import write_app
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("flower-pull")
+    d = Deployment(
+        root,
+        ["partition-id=0 num-partitions=1"],
+        env={"RANKEXEC_FLOWER_DIR": str(root / "rx"), "RANKEXEC_LOG": "warn"},
+        pull="files",
+    )
+    try:
+        d.start()
+        yield d
+    finally:
+        d.stop()
+        try:
+            wait_until(lambda: not pids_with_env(str(root)), 60, "no process of the test left")
+        finally:
+            left = pids_with_env(str(root))
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    print(
+                        f"[flower-pull] left after stop: {pid} {cmd.decode(errors='replace')[:200]}"
+                    )
+            for pid in left:  # never leave anything behind, even when the test fails
+                os.kill(pid, signal.SIGKILL)
+
+
+def _run(dep: Deployment, tmp_path: Path, impl: str) -> dict:
+    result = tmp_path / "result.json"
+    run = dep.submit(write_app(tmp_path, impl), {"result-file": str(result)})
+    status = dep.wait_run(run, 600)
+    assert status == "finished:completed", f"{status}\n{dep.last_failure}\n{dep.log_tail()}"
+    return json.loads(result.read_text())
+
+
+def _superexec_log(dep: Deployment) -> str:
+    return (dep.root / "superexec-0.log").read_text(errors="replace")
+
+
+def test_ranks_see_the_arrays_pulled_into_memory_files(dep: Deployment, tmp_path: Path) -> None:
+    res = _run(dep, tmp_path, "rankexec")
+    assert "error" not in res, res
+    assert res["plus_one"], res
+    # Each rank wrote what it saw; the node pulled a, b, c into files.
+    result = tmp_path / "result.json"
+    for rank in (0, 1):
+        seen = json.loads(Path(f"{result}.rank{rank}").read_text())
+        for k, want in res["digests"].items():
+            assert seen[k][0] == want, (rank, k, seen[k], want)
+    assert "rankexec: 3 arrays of the message pulled into memory files" in _superexec_log(dep)
+
+
+def test_flowers_own_clientapp_reads_the_arrays_pulled_into_memory_files(
+    dep: Deployment, tmp_path: Path
+) -> None:
+    before = _superexec_log(dep).count("pulled into memory files")
+    res = _run(dep, tmp_path, "flower")
+    assert "error" not in res, res
+    assert res["plus_one"], res
+    seen = res["seen"]["0"]
+    for k, want in res["digests"].items():
+        assert seen[k][0] == want, (k, seen[k], want)
+    # The multi-chunk arrays reached Flower's handler as memory files, the small one as bytes.
+    assert {seen[k][1] for k in ("a", "b", "c")} == {"Blob"}, seen
+    assert seen["bias"][1] == "bytes", seen
+    assert _superexec_log(dep).count("pulled into memory files") == before + 1
