@@ -29,6 +29,9 @@ __all__ = ["free_port"]
 _LOW = 25000
 _given: set[int] = set()
 _lock = threading.Lock()
+# Its own source: a program that seeds `random` (a trainer's set_seed) must not make
+# two processes pick the same ports in the same order.
+_random = random.SystemRandom()
 
 
 def _ephemeral_start() -> int:
@@ -39,8 +42,12 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+def _family(addr: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
 def _free(addr: str, port: int) -> bool:
-    with socket.socket() as s:
+    with socket.socket(_family(addr)) as s:
         try:
             s.bind((addr, port))
         except OSError:
@@ -55,11 +62,12 @@ def free_port(addr: str = "127.0.0.1") -> int:
     with _lock:
         if high - _LOW > 64:
             for _ in range(64):
-                port = random.randrange(_LOW, high)
-                if port not in _given and _free(addr, port) and _free("0.0.0.0", port):
+                port = _random.randrange(_LOW, high)
+                wildcard = "::" if _family(addr) == socket.AF_INET6 else "0.0.0.0"
+                if port not in _given and _free(addr, port) and _free(wildcard, port):
                     _given.add(port)
                     return port
-        with socket.socket() as s:
+        with socket.socket(_family(addr)) as s:
             s.bind((addr, 0))
             port = int(s.getsockname()[1])
         _given.add(port)

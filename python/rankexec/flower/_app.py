@@ -151,7 +151,8 @@ class ClientApp(FlowerClientApp):
         # reads them in place when it sends the reply.
         got = dict(out["blobs"])
         back = _codec.unpack(got[_codec.SPEC_BLOB])
-        context.state = _codec.decode_records(back["state"], got)
+        # Flower serializes the state into protobuf bytes: its arrays leave the mapping.
+        context.state = _codec.own_arrays(_codec.decode_records(back["state"], got))
         return _codec.decode_message(back["reply"], got)
 
     def _close(self, message: Message, context: Context) -> Message:

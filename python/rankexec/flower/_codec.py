@@ -45,6 +45,7 @@ __all__ = [
     "encode_context",
     "encode_message",
     "encode_records",
+    "own_arrays",
     "releaser",
 ]
 
@@ -129,6 +130,19 @@ def decode_records(spec: list[Any], blobs: dict[str, Any]) -> RecordDict:
             rd[name] = ConfigRecord(_unvalues(body))
         else:
             raise ValueError(f"record {name!r} is of an unknown kind {kind!r}")
+    return rd
+
+
+def own_arrays(rd: RecordDict) -> RecordDict:
+    """``rd`` with every array's ``data`` as ``bytes`` (copied where it is a mapping or
+    another buffer): what a ``Context``'s state must hold, since Flower serializes it
+    into a protobuf ``bytes`` field (``context_to_proto``) that takes nothing else. A
+    state holding a memory file's view would make Flower drop the node's context."""
+    for rec in rd.values():
+        if isinstance(rec, ArrayRecord):
+            for arr in rec.values():
+                if not isinstance(arr.data, bytes):
+                    arr.data = bytes(memoryview(arr.data))
     return rd
 
 

@@ -48,7 +48,7 @@ from flwr.supercore.inflatable.inflatable_utils import (
     pull_objects,
 )
 
-from rankexec._rankexec import SharedBuffer
+from rankexec._rankexec import SharedBuffer, trim_heap
 from rankexec._staging import page_offsets, parts_of
 
 __all__ = ["LayoutMismatch", "pull_message"]
@@ -183,7 +183,11 @@ def _lean(tree: Any, pull_fn: Any) -> tuple[dict[str, Array] | None, dict[str, b
         _write(lay, object_id, content)
         return b""  # what Flower's pull_objects keeps of it
 
-    pull_objects([c for c in lay.dest if c != first], pull_into_files)
+    # A chunk pulled already (it is also a single-chunk array's) is written from there.
+    for chunk in [c for c in lay.dest if c != first and c in contents]:
+        _write(lay, chunk, contents[chunk])
+    pull_objects([c for c in lay.dest if c != first and c not in contents], pull_into_files)
+    trim_heap()  # the chunks' bytes, freed, are not kept by the C heap
     return _arrays_of(lay), contents
 
 
@@ -191,14 +195,17 @@ def pull_message(tree: Any, pull_fn: Any, confirm_fn: Any) -> tuple[Message, int
     """The message of ``tree``, its multi-chunk arrays in memory files (see the module
     docs), and the number of such arrays; Flower's own pull where the layout does not
     fit."""
+    mismatch = None
     try:
         arrays, contents = _lean(tree, pull_fn)
     except LayoutMismatch as e:
+        mismatch = str(e)  # the memory files go with the traceback, before Flower's pull
+    if mismatch is not None:
         from logging import WARNING
 
         from flwr.supercore import log
 
-        log(WARNING, "rankexec: %s; the message is pulled again Flower's way", e)
+        log(WARNING, "rankexec: %s; the message is pulled again Flower's way", mismatch)
         message = pull_and_inflate_object_from_tree(tree, pull_fn, confirm_fn, return_type=Message)
         return message, 0
     confirm_fn(tree.object_id)
@@ -224,7 +231,10 @@ def _records_of(contents: dict[str, bytes], objects: dict[str, Any]) -> None:
             arr: Any = objects.get(aid)
             if arr is None:
                 arr = inflate_object_from_contents(aid, contents, objects=objects)
-            rec[str(name)] = arr
+            # One Array per key, sharing the data, as Flower's own inflation gives.
+            each = Array(dtype=arr.dtype, shape=tuple(arr.shape), stype=arr.stype, data=b"")
+            each.data = arr.data
+            rec[str(name)] = each
         objects[oid] = rec
 
 

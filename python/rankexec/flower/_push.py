@@ -12,14 +12,14 @@ Caveats: everything else is Flower's ``push_message``
 (flwr/supernode/runtime/run_clientapp.py): the message and its object tree first, then
 the objects the SuperNode asks for, with Flower's concurrency
 (``FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES``). The first failed push stops the rest and
-is raised.
+is raised at once, without waiting for the pushes still in flight.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 __all__ = ["push_bounded", "push_message"]
@@ -49,8 +49,9 @@ def push_bounded(
         finally:
             room.release()
 
-    with ThreadPoolExecutor(workers, "rx-push") as pool:
-        futures: list[Future[None]] = []
+    pool = ThreadPoolExecutor(workers, "rx-push")
+    futures: list[Future[None]] = []
+    try:
         for object_id in list(objects):
             obj = objects.pop(object_id)
             if wanted is not None and object_id not in wanted:
@@ -62,10 +63,16 @@ def push_bounded(
             futures.append(pool.submit(push, object_id, obj.deflate()))
             pushed += 1
             del obj
+        if not failed:
+            # Until every push is done or one fails (not one by one: an earlier push
+            # still retrying must not hide a later failure).
+            wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        # After a failure, pushes still in flight (Flower's client retries without end)
+        # are not waited for, as Flower's own push_objects does not wait.
+        pool.shutdown(wait=not failed, cancel_futures=bool(failed))
     if failed:
         raise failed[0]
-    for f in futures:
-        f.result()
     return pushed
 
 

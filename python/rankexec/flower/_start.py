@@ -29,7 +29,7 @@ from typing import Any
 
 from rankexec.flower import _channel, _peer
 from rankexec.flower._channel import ChannelError
-from rankexec.flower._supernode import runtime_port, supernode_listening_on
+from rankexec.flower._supernode import runtime_address, supernode_listening_on
 
 # rankexec.flower.host's exit code when another host serves the node.
 HOST_TAKEN_EXIT = 3
@@ -66,8 +66,8 @@ def _supernode() -> int | None:
     for pid, argv in _ancestors():
         if _is_supernode(argv):
             return pid
-    port = runtime_port(sys.argv)
-    return supernode_listening_on(port) if port is not None else None
+    found = runtime_address(sys.argv)
+    return supernode_listening_on(found[1], found[0]) if found is not None else None
 
 
 def connect_or_start(directory: Path, node_id: int) -> Any:

@@ -23,9 +23,12 @@ with the node and the node's rankexec host watches the node.
 
 Caveats: any ClientApp runs under it, rankexec's or not; an array of more than one
 chunk (5 MB, Flower's default) then has a read-only buffer as its ``data``, not
-``bytes``: Flower's readers (``numpy()``, ``to_torch_state_dict()``...) take it. Flower
+``bytes``: Flower's readers (``numpy()``, ``to_torch_state_dict()``...) take it, its
+``Array`` constructor, ``copy.deepcopy`` and ``pickle`` do not (``bytes(arr.data)``
+does). Only ``--executor subprocess`` (Flower's default) is taken. Flower
 1.42's internals are patched by name (``TASK_TYPE_TO_COMMAND``, ``pull_task_input``,
-``push_message``);
+``push_message``, ``push_task_output``: a ``Context``'s state is given ``bytes``, which
+Flower's serialization takes only);
 a Flower whose names differ is refused at start, naming what is missing.
 """
 
@@ -37,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower._supernode import supernode_listening_on
+from rankexec.flower._supernode import runtime_address, supernode_listening_on
 
 __all__ = ["FlowerMismatch", "clientapp", "superexec"]
 
@@ -71,22 +74,24 @@ def _option(argv: list[str], name: str) -> str | None:
 
 def _with_parent(argv: list[str], wait_s: float = 30.0) -> list[str]:
     """``argv`` with ``--parent-pid`` of the SuperNode that serves its
-    ``--runtime-api-address``, where it names none: the SuperExec then leaves with its
-    node, and the node's rankexec host finds the node through it. Waits up to
-    ``wait_s`` for the SuperNode to listen (a service started beside it)."""
-    if _option(argv, "--parent-pid") is not None:
+    ``--runtime-api-address`` (on that address or a wildcard, checked by command line),
+    where it names none: the SuperExec then leaves with its node. Waits up to ``wait_s``
+    for the SuperNode to listen (a service started beside it). Left as it is for
+    ``--help``/``--version``, and where the address is missing or not this machine's
+    (Flower's own parsing then says what is wrong)."""
+    if _option(argv, "--parent-pid") is not None or {"-h", "--help", "-V", "--version"} & set(argv):
         return argv
-    address = _option(argv, "--runtime-api-address") or "127.0.0.1:9094"
-    try:
-        port = int(address.rsplit(":", 1)[1])
-    except (IndexError, ValueError):
+    found = runtime_address(argv)
+    if found is None:
         return argv
+    host, port = found
     deadline = time.monotonic() + wait_s
-    while (pid := supernode_listening_on(port)) is None:
+    while (pid := supernode_listening_on(port, host)) is None:
         if time.monotonic() > deadline:
             print(
-                f"rankexec-flower-superexec: no flower-supernode listens on port {port}:"
-                " running without --parent-pid (this SuperExec will not leave with it)",
+                f"rankexec-flower-superexec: no flower-supernode of this machine listens on"
+                f" {host}:{port}: running without --parent-pid (this SuperExec will not"
+                " leave with it)",
                 file=sys.stderr,
             )
             return argv
@@ -94,7 +99,21 @@ def _with_parent(argv: list[str], wait_s: float = 30.0) -> list[str]:
     return [*argv, "--parent-pid", str(pid)]
 
 
+def _refused(command: str, e: FlowerMismatch) -> None:
+    print(f"{command}: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
 def superexec() -> None:
+    """``flower-superexec`` that starts ``rankexec-flwr-clientapp`` for ClientApp tasks
+    (``_superexec``); a ``FlowerMismatch`` is printed as one line, exit code 2."""
+    try:
+        _superexec()
+    except FlowerMismatch as e:
+        _refused("rankexec-flower-superexec", e)
+
+
+def _superexec() -> None:
     """``flower-superexec`` that starts ``rankexec-flwr-clientapp`` for ClientApp tasks;
     without ``--parent-pid``, the SuperNode serving its Runtime API address is its
     parent (``_with_parent``)."""
@@ -105,6 +124,14 @@ def superexec() -> None:
     task = getattr(getattr(constant, "TaskType", None), "CLIENT_APP", None)
     if not isinstance(commands, dict) or task not in commands:
         raise FlowerMismatch("flwr.supercore.constant.TASK_TYPE_TO_COMMAND[CLIENT_APP]")
+    executor = _option(sys.argv[1:], "--executor")
+    if executor not in (None, "subprocess"):
+        # Another executor runs the command elsewhere (a Kubernetes pod): this machine's
+        # path would mean nothing there.
+        raise FlowerMismatch(
+            f"--executor {executor}: rankexec-flower-superexec starts ClientApp processes"
+            " on this machine only (--executor subprocess)"
+        )
     commands[task] = _clientapp_command()
     sys.argv = [sys.argv[0], *_with_parent(sys.argv[1:])]
     flower_superexec()
@@ -154,16 +181,36 @@ def pull_task_input(client: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def clientapp() -> None:
+    """``flwr-clientapp`` with Flower's steps replaced (``_clientapp``); a
+    ``FlowerMismatch`` is printed as one line, exit code 2."""
+    try:
+        _clientapp()
+    except FlowerMismatch as e:
+        _refused("rankexec-flwr-clientapp", e)
+
+
+def _clientapp() -> None:
     """``flwr-clientapp`` with ``pull_task_input`` and ``push_message`` replaced (see
     the module docs)."""
     from flwr.supernode.cli import flwr_clientapp
     from flwr.supernode.runtime import run_clientapp as runtime
 
+    from rankexec.flower._codec import own_arrays
     from rankexec.flower._push import push_message
 
-    for name in ("pull_task_input", "push_message"):
+    for name in ("pull_task_input", "push_message", "push_task_output"):
         if not callable(getattr(runtime, name, None)):
             raise FlowerMismatch(f"flwr.supernode.runtime.run_clientapp.{name}")
+    flowers_push_task_output = runtime.push_task_output
+
+    def push_task_output(client: Any, context: Any, sub_status: str, details: str) -> None:
+        # A state that kept received arrays holds memory files' views; Flower's
+        # context_to_proto takes bytes only, and would drop the node's context.
+        if context is not None:
+            own_arrays(context.state)
+        flowers_push_task_output(client, context, sub_status, details)
+
     runtime.pull_task_input = pull_task_input  # type: ignore[assignment]
     runtime.push_message = push_message  # type: ignore[assignment]
+    runtime.push_task_output = push_task_output  # type: ignore[assignment]
     flwr_clientapp()

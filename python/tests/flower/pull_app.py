@@ -2,7 +2,9 @@
 test_page_commands.py): the ServerApp sends one node a model of three multi-chunk
 arrays of random bytes and a small one, and writes what came back to the run config's
 ``result-file``: each array's SHA-256 as sent, what rank 0 saw (``seen``), whether the
-reply is the model + 1 (``plus_one``). Every rank writes what it saw (each array's
+reply is the model + 1 (``plus_one``), and, for each of the run config's ``rounds``
+messages, the SHA-256 of the array ``a`` the node kept in ``context.state`` from the
+message before (``kept``: ``""`` in the first). Every rank writes what it saw (each array's
 SHA-256 and the type of its ``data``) to ``result-file.rank<RANK>``. ``impl``:
 ``rankexec`` (``rankexec.flower.ClientApp``, two ranks) or ``flower`` (Flower's own).
 """
@@ -35,6 +37,7 @@ clientapp = "pullapp.client_app:app"
 
 [tool.flwr.app.config]
 result-file = ""
+rounds = 1
 """
 
 SERVER_APP = """\
@@ -62,9 +65,12 @@ def main(grid: Grid, context: Context) -> None:
         rec[k] = Array(v)
     digests = {k: hashlib.sha256(rec[k].data).hexdigest() for k in model}
     (node,) = list(grid.get_node_ids())
-    msg = Message(RecordDict({"arrays": rec, "config": ConfigRecord({})}), node, "train")
-    (reply,) = list(grid.send_and_receive([msg], timeout=600))
-    out = {"digests": digests}
+    out = {"digests": digests, "kept": []}
+    for _ in range(int(context.run_config.get("rounds", 1))):
+        msg = Message(RecordDict({"arrays": rec, "config": ConfigRecord({})}), node, "train")
+        (reply,) = list(grid.send_and_receive([msg], timeout=600))
+        if not reply.has_error():
+            out["kept"].append(str(reply.content["seen"]["kept"]))
     if reply.has_error():
         out["error"] = reply.error.reason
     else:
@@ -103,10 +109,17 @@ def train(msg: Message, context: Context) -> Message:
     reply_state = {{k: (state[k] + 1).numpy() for k in ("a", "b", "bias")}}
     for k, v in reply_state.items():
         reply[k] = __import__("flwr.app", fromlist=["Array"]).Array(v)
+    # What the node kept of the message before (context.state persists per node): "a".
+    kept = context.state["kept"]["a"].data if "kept" in context.state else None
+    was_kept = hashlib.sha256(memoryview(kept)).hexdigest() if kept is not None else ""
+    keep = ArrayRecord()
+    keep["a"] = rec["a"]
+    context.state["kept"] = keep
     rank = os.environ.get("RANK", "0")
     with open(str(context.run_config["result-file"]) + f".rank{{rank}}", "w") as f:
         json.dump(seen, f)
-    out = RecordDict({{"arrays": reply, "seen": ConfigRecord({{"json": json.dumps({{rank: seen}})}})}})
+    said = ConfigRecord({{"json": json.dumps({{rank: seen}}), "kept": was_kept}})
+    out = RecordDict({{"arrays": reply, "seen": said}})
     return Message(out, reply_to=msg)
 """
 

@@ -9,11 +9,14 @@ SuperLink and one SuperNode with ``--isolation process`` beside rankexec's Super
    (each weight + 1) reaches the server.
 2. Flower's own ``ClientApp`` on the same node: ``to_torch_state_dict()`` of the arrays
    pulled into memory files gives the server's values.
+3. In each, two messages: the array the handler kept in ``context.state`` from the
+   first is there in the second (Flower saves the state as protobuf ``bytes``); and
+   the same with rankexec's ``ClientApp`` under Flower's own SuperExec.
 
 Every process is stopped by pid afterwards; nothing that carries the test's folder in
 its environment is left (the SuperExec, its ClientApp processes, and the node's host
-and ranks, which leave with the SuperNode: the host finds it as the SuperExec's
-``--parent-pid``, the SuperNode not being a ClientApp process's ancestor here).
+and ranks, which leave with the SuperNode: the host finds it by the Runtime API port
+the ClientApp process talks to, the SuperNode not being its ancestor here).
 """
 
 from __future__ import annotations
@@ -35,14 +38,13 @@ from .helpers import pids_with_env, wait_until
 from .pull_app import write_app
 
 
-@pytest.fixture(scope="module")
-def dep(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("flower-pull")
+@contextlib.contextmanager
+def _deployment(root: Path, pull: str):
     d = Deployment(
         root,
         ["partition-id=0 num-partitions=1"],
         env={"RANKEXEC_FLOWER_DIR": str(root / "rx"), "RANKEXEC_LOG": "warn"},
-        pull="files",
+        pull=pull,
     )
     try:
         d.start()
@@ -63,9 +65,15 @@ def dep(tmp_path_factory: pytest.TempPathFactory):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _run(dep: Deployment, tmp_path: Path, impl: str) -> dict:
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory: pytest.TempPathFactory):
+    with _deployment(tmp_path_factory.mktemp("flower-pull"), "files") as d:
+        yield d
+
+
+def _run(dep: Deployment, tmp_path: Path, impl: str, rounds: int = 2) -> dict:
     result = tmp_path / "result.json"
-    run = dep.submit(write_app(tmp_path, impl), {"result-file": str(result)})
+    run = dep.submit(write_app(tmp_path, impl), {"result-file": str(result), "rounds": rounds})
     status = dep.wait_run(run, 600)
     assert status == "finished:completed", f"{status}\n{dep.last_failure}\n{dep.log_tail()}"
     return json.loads(result.read_text())
@@ -86,6 +94,8 @@ def test_ranks_see_the_arrays_pulled_into_memory_files(dep: Deployment, tmp_path
         for k, want in res["digests"].items():
             assert seen[k][0] == want, (rank, k, seen[k], want)
     assert "rankexec: 3 arrays of the message pulled into memory files" in _superexec_log(dep)
+    # Rank 0 kept the array "a" in context.state: the node's state came back in round 2.
+    assert res["kept"] == ["", res["digests"]["a"]], res["kept"]
 
 
 def test_flowers_own_clientapp_reads_the_arrays_pulled_into_memory_files(
@@ -101,4 +111,18 @@ def test_flowers_own_clientapp_reads_the_arrays_pulled_into_memory_files(
     # The multi-chunk arrays reached Flower's handler as memory files, the small one as bytes.
     assert {seen[k][1] for k in ("a", "b", "c")} == {"Blob"}, seen
     assert seen["bias"][1] == "bytes", seen
-    assert _superexec_log(dep).count("pulled into memory files") == before + 1
+    assert _superexec_log(dep).count("pulled into memory files") == before + 2
+    # The handler kept a memory file's array in context.state: Flower saved it as bytes.
+    assert res["kept"] == ["", res["digests"]["a"]], res["kept"]
+
+
+def test_a_rank_groups_state_with_arrays_survives_flowers_own_superexec(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Under Flower's own SuperExec and ``flwr-clientapp``: rank 0 keeps a 12 MB array
+    in ``context.state``; the node's state (which Flower serializes into protobuf
+    ``bytes``) comes back with it in the next message."""
+    with _deployment(tmp_path_factory.mktemp("flower-state"), "flower") as d:
+        res = _run(d, tmp_path, "rankexec")
+    assert "error" not in res and res["plus_one"], res
+    assert res["kept"] == ["", res["digests"]["a"]], res["kept"]

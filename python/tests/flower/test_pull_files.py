@@ -12,11 +12,16 @@ import os
 import flwr.app.message.array as flower_array
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.common.serde import context_to_proto
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
-from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
+from flwr.supercore.inflatable.inflatable_utils import (
+    ObjectPullError,
+    pull_and_inflate_object_from_tree,
+)
 from flwr.supercore.task_identity import TaskIdentity
 
+from rankexec.flower._codec import own_arrays
 from rankexec.flower._pull import pull_message
 
 CHUNK = flower_array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
@@ -48,7 +53,9 @@ class Store:
         self.calls.append(("pull", object_id))
         if object_id not in self.contents:
             raise ObjectPullError(object_id, "the object could not be found.")
-        return self.contents[object_id]
+        # A new object for each pull, as the Runtime API's response gives: a pull that
+        # kept what it got would show in this process's heap.
+        return bytes(memoryview(self.contents[object_id]))
 
     def confirm(self, object_id: str) -> None:
         self.calls.append(("confirm", object_id))
@@ -163,7 +170,12 @@ def test_a_listener_that_is_not_a_supernode_is_not_taken_for_one() -> None:
     the socket's owner only by its command line, which is not a SuperNode's."""
     import socket
 
-    from rankexec.flower._supernode import listeners, runtime_port, supernode_listening_on
+    from rankexec.flower._supernode import (
+        listeners,
+        runtime_address,
+        runtime_port,
+        supernode_listening_on,
+    )
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,7 +184,104 @@ def test_a_listener_that_is_not_a_supernode_is_not_taken_for_one() -> None:
         assert listeners(port) == [os.getpid()]  # found by its socket...
         assert supernode_listening_on(port) is None  # ...and refused by its command line
     assert listeners(port) == [] and supernode_listening_on(port) is None
+    # On another address than the socket's: not that listener.
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert listeners(port, "127.0.0.2") == [os.getpid()]
+        assert listeners(port, "127.0.0.1") == []
+    with socket.socket() as s:  # a wildcard listener takes every address
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert listeners(port, "127.0.0.1") == [os.getpid()]
+    assert runtime_address(["--appio-api-address", "localhost:9096"])[1] == 9096
     assert runtime_port(["--token", "t", "--runtime-api-address", "127.0.0.1:9094"]) == 9094
     assert runtime_port(["--runtime-api-address=[::1]:9095"]) == 9095
     assert runtime_port(["--runtime-api-address", "nonsense"]) is None
     assert runtime_port([]) is None
+
+
+def test_records_arrays_and_chunks_shared_across_the_message() -> None:
+    """One ArrayRecord object under two names, one array under two keys, a chunk shared
+    by a single-chunk and a multi-chunk array: every key reads its bytes, each key has
+    an Array of its own (as Flower's inflation gives), and no object is pulled twice."""
+    body = np.full((CHUNK // 4,), 7.0, dtype=np.float32)  # its chunk 1: all 7.0
+    big = Array(np.concatenate([body, body]))  # 2+ chunks
+    single = Array(dtype="x", shape=(CHUNK,), stype="raw", data=bytes(big.data[CHUNK : 2 * CHUNK]))
+    rec = _record({"big": big, "twice": big, "single": single})
+    msg = _message(RecordDict({"one": rec, "two": rec}))
+    store = Store(msg)
+    got, in_files = pull_message(store.tree, store.pull, store.confirm)
+    assert in_files == 1
+    pulled = [oid for k, oid in store.calls if k == "pull"]
+    assert len(pulled) == len(set(pulled)), sorted(pulled)
+    one, two = got.content["one"], got.content["two"]
+    for r in (one, two):
+        assert np.array_equal(r["big"].numpy(), big.numpy())
+        assert bytes(memoryview(r["twice"].data)) == big.data
+        assert r["single"].data == single.data
+    # The same sharing as Flower's own inflation: one record object under both names
+    # where Flower gives one, and an Array of its own for each key.
+    flowers = pull_and_inflate_object_from_tree(
+        store.tree, store.pull, store.confirm, return_type=Message
+    )
+    assert (one is two) == (flowers.content["one"] is flowers.content["two"])
+    assert one["big"] is not one["twice"]
+    one["big"].shape = (1,)
+    assert one["twice"].shape == big.shape
+
+
+def test_an_error_message_is_flowers_own() -> None:
+    asked = _message(RecordDict())
+    msg = Message(Error(code=3, reason="boom"), reply_to=asked)  # a node's error reply
+    store = Store(msg)
+    got, in_files = pull_message(store.tree, store.pull, store.confirm)
+    assert in_files == 0 and got.has_error() and got.error.reason == "boom"
+
+
+def test_a_state_keeping_pulled_arrays_is_given_bytes_for_flowers_serialization() -> None:
+    """A handler that keeps received arrays in ``context.state``: Flower's
+    ``context_to_proto`` refuses a memory file's view (its field takes ``bytes``), so
+    the node's context would be dropped; ``own_arrays`` (what the SuperExec's
+    ClientApp process and rankexec's ``ClientApp`` apply) makes it ``bytes``."""
+    store = Store(_message(RecordDict({"arrays": _record(_model())})))
+    got, _ = pull_message(store.tree, store.pull, store.confirm)
+    state = RecordDict({"kept": got.content["arrays"]})
+    ctx = Context(run_id=7, node_id=1, node_config={}, state=state, run_config={})
+    with pytest.raises(TypeError):
+        context_to_proto(ctx)
+    own_arrays(ctx.state)
+    proto = context_to_proto(ctx)
+    assert proto.run_id == 7
+    assert np.array_equal(ctx.state["kept"]["big"].numpy(), _model()["big"])
+
+
+def test_another_executor_than_subprocess_is_refused_naming_it() -> None:
+    """``rankexec-flower-superexec --executor kubernetes``: the ClientApp command it
+    gives Flower is a path on this machine, which a pod would not have."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = Path(sys.executable).parent / "rankexec-flower-superexec"
+    out = subprocess.run(
+        [
+            str(command),
+            "--insecure",
+            "--runtime-api-address",
+            "127.0.0.1:1",
+            "--executor",
+            "kubernetes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert out.stderr.strip().endswith(
+        "rankexec-flower-superexec: error: --executor kubernetes: rankexec-flower-superexec"
+        " starts ClientApp processes on this machine only (--executor subprocess)"
+    ), out.stderr[-2000:]

@@ -67,3 +67,34 @@ def test_the_first_failed_push_stops_the_rest_and_is_raised() -> None:
     with pytest.raises(ConnectionError, match="went away"):
         push_bounded(objects, push, None, 2)
     assert tally["deflated"] < 500, tally  # stopped, not run to the end
+
+
+def test_a_failure_is_raised_while_another_push_still_retries() -> None:
+    """One push hangs (Flower's client retries a transport error without end), another
+    fails for good: the failure is raised without waiting for the hung one, as Flower's
+    own ``push_objects`` does."""
+    tally = {"deflated": 0, "sent": 0, "most": 0}
+    objects = _objects(50, tally)
+    hung = threading.Event()
+    outcome: list[BaseException] = []
+
+    def push(object_id: str, content: bytes) -> None:
+        if object_id == "o0":
+            hung.wait(120)  # released by the test once it has its answer
+        elif object_id == "o1":
+            raise ConnectionError("the session expired")
+
+    def run() -> None:
+        try:
+            push_bounded(objects, push, None, 2)
+        except ConnectionError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    try:
+        assert not t.is_alive(), "push_bounded waited for the hung push"
+        assert len(outcome) == 1 and isinstance(outcome[0], ConnectionError), outcome
+    finally:
+        hung.set()
