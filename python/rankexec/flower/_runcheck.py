@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankexec.flower._supernode import flag
+
 __all__ = ["FINISHED_CODE", "Fleet", "RunCheck", "settings"]
 
 #: flwr's ApiErrorCode.FLEET_RUN_STATUS_NOT_ALLOWED: GetRun of a run that is not running.
@@ -78,15 +80,6 @@ def _argv(pid: int) -> list[str]:
     except OSError:
         return []
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _flag(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def _simulation_argv(pid: int) -> list[str]:
@@ -123,11 +116,11 @@ def settings(
     if not is_supernode:
         argv = []
         sim = _simulation_argv(supernode_pid) if supernode_pid is not None else []
-        link = superlink or site.get("superlink") or _flag(sim, "--runtime-api-address")
+        link = superlink or site.get("superlink") or flag(sim, "--runtime-api-address")
         if link:
             # The Simulation Engine: the SuperLink's one HTTP port serves the Runtime API
             # the simulation process uses and the Fleet API (a probe identity asks).
-            root = root_certificates or _flag(sim, "--root-certificates")
+            root = root_certificates or flag(sim, "--root-certificates")
             return Fleet(
                 superlink=str(link),
                 insecure=not root and ("--insecure" in sim or not sim),
@@ -142,11 +135,11 @@ def settings(
     def path(value: str | None) -> str | None:
         return str(cwd / Path(value).expanduser()) if value else None
 
-    link = superlink or site.get("superlink") or _flag(argv, "--superlink")
+    link = superlink or site.get("superlink") or flag(argv, "--superlink")
     if not link and not is_supernode:
         return None
-    root = root_certificates or path(_flag(argv, "--root-certificates"))
-    key = node_key or path(_flag(argv, "--auth-supernode-private-key"))
+    root = root_certificates or path(flag(argv, "--root-certificates"))
+    key = node_key or path(flag(argv, "--auth-supernode-private-key"))
     # Insecure as the SuperNode is, or for an address given without a CA (no SuperNode).
     insecure = not root_certificates and ("--insecure" in argv or not is_supernode and not root)
     return Fleet(

@@ -18,7 +18,7 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["listeners", "runtime_address", "runtime_port", "supernode_listening_on"]
+__all__ = ["flag", "listeners", "runtime_address", "runtime_port", "supernode_listening_on"]
 
 
 def _proc_hex(packed: bytes) -> str:
@@ -98,17 +98,21 @@ def supernode_listening_on(port: int, address: str | None = None) -> int | None:
     return next((pid for pid in listeners(port, address) if _is_supernode(pid)), None)
 
 
+def flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name VALUE`` or ``name=VALUE`` in a command line, or ``None``."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def runtime_address(argv: list[str]) -> tuple[str, int] | None:
     """The host and port of ``--runtime-api-address HOST:PORT`` (or Flower's older
     ``--appio-api-address``) in ``argv``, the host as an IP address literal (a name is
     resolved), or ``None`` where there is none or it does not parse."""
-    value = None
-    for i, a in enumerate(argv):
-        for name in ("--runtime-api-address", "--appio-api-address"):
-            if a == name and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif a.startswith(name + "="):
-                value = a.split("=", 1)[1]
+    value = flag(argv, "--runtime-api-address") or flag(argv, "--appio-api-address")
     if value is None:
         return None
     host, _, port = value.rpartition(":")

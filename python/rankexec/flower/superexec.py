@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankexec.flower._supernode import runtime_address, supernode_listening_on
+from rankexec.flower._supernode import flag, runtime_address, supernode_listening_on
 
 __all__ = ["FlowerMismatch", "clientapp", "superexec"]
 
@@ -63,15 +63,6 @@ def _clientapp_command() -> str:
     return found
 
 
-def _option(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _with_parent(argv: list[str], wait_s: float = 30.0) -> list[str]:
     """``argv`` with ``--parent-pid`` of the SuperNode that serves its
     ``--runtime-api-address`` (on that address or a wildcard, checked by command line),
@@ -79,7 +70,7 @@ def _with_parent(argv: list[str], wait_s: float = 30.0) -> list[str]:
     for the SuperNode to listen (a service started beside it). Left as it is for
     ``--help``/``--version``, and where the address is missing or not this machine's
     (Flower's own parsing then says what is wrong)."""
-    if _option(argv, "--parent-pid") is not None or {"-h", "--help", "-V", "--version"} & set(argv):
+    if flag(argv, "--parent-pid") is not None or {"-h", "--help", "-V", "--version"} & set(argv):
         return argv
     found = runtime_address(argv)
     if found is None:
@@ -124,7 +115,7 @@ def _superexec() -> None:
     task = getattr(getattr(constant, "TaskType", None), "CLIENT_APP", None)
     if not isinstance(commands, dict) or task not in commands:
         raise FlowerMismatch("flwr.supercore.constant.TASK_TYPE_TO_COMMAND[CLIENT_APP]")
-    executor = _option(sys.argv[1:], "--executor")
+    executor = flag(sys.argv[1:], "--executor")
     if executor not in (None, "subprocess"):
         # Another executor runs the command elsewhere (a Kubernetes pod): this machine's
         # path would mean nothing there.

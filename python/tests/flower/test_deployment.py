@@ -46,7 +46,7 @@ pytest.importorskip("sklearn")
 from rankexec.flower import host_status
 from rankexec.flower.deployment import Deployment, free_port
 
-from .helpers import pid_alive, pids_with_env, wait_until
+from .helpers import leave_nothing, pid_alive, pids_with_env, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 APP = REPO / "examples" / "flower" / "ddp-digits"
@@ -67,20 +67,7 @@ def dep(tmp_path_factory: pytest.TempPathFactory):
         yield d
     finally:
         d.stop()
-        try:
-            # 60 s, as test_production's: the Deployment's own processes (SuperLink,
-            # SuperNodes, their apps) took over 30 s to go under a loaded CI once.
-            wait_until(lambda: not pids_with_env(str(root)), 60, "no process of the test left")
-        finally:
-            left = pids_with_env(str(root))
-            for pid in left:
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    print(f"[flower] left after stop: {pid} {cmd.decode(errors='replace')[:200]}")
-                except OSError:
-                    pass
-            for pid in left:  # never leave anything behind, even when the test fails
-                os.kill(pid, signal.SIGKILL)
+        left = leave_nothing(root, "flower")
         print(f"\n[flower] after stop: {len(left)} processes left")
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -34,7 +32,7 @@ pytest.importorskip("torch")
 
 from rankexec.flower.deployment import Deployment
 
-from .helpers import pids_with_env, wait_until
+from .helpers import leave_nothing
 from .pull_app import write_app
 
 
@@ -51,18 +49,7 @@ def _deployment(root: Path, pull: str):
         yield d
     finally:
         d.stop()
-        try:
-            wait_until(lambda: not pids_with_env(str(root)), 60, "no process of the test left")
-        finally:
-            left = pids_with_env(str(root))
-            for pid in left:
-                with contextlib.suppress(OSError):
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    print(
-                        f"[flower-pull] left after stop: {pid} {cmd.decode(errors='replace')[:200]}"
-                    )
-            for pid in left:  # never leave anything behind, even when the test fails
-                os.kill(pid, signal.SIGKILL)
+        leave_nothing(root, "flower-pull")
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ pytest.importorskip("sklearn")
 from rankexec.flower import host_status
 from rankexec.flower.deployment import Deployment
 
-from .helpers import pid_alive, pids_with_env, wait_until
+from .helpers import leave_nothing, pid_alive, wait_until
 
 APP = Path(__file__).resolve().parents[3] / "examples" / "flower" / "ddp-digits"
 NODES = 4
@@ -65,11 +65,7 @@ def sim(tmp_path: Path):
         yield d
     finally:
         d.stop()
-        try:
-            wait_until(lambda: not pids_with_env(str(tmp_path)), 60, "no process left")
-        finally:
-            for pid in pids_with_env(str(tmp_path)):
-                os.kill(pid, signal.SIGKILL)
+        leave_nothing(tmp_path, "flower-sim")
 
 
 def _hosts(d: Deployment) -> dict[int, dict]:
