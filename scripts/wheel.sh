@@ -16,7 +16,8 @@
 # shut out RHEL 8/9-era clusters (glibc 2.28/2.34) and Ubuntu 20.04 (2.31).
 #
 #   --profile  the cargo profile: `wheel` (default: fat LTO, stripped) or `wheel-test`
-#              (no LTO: what python/tests/test_wheel.py builds to keep CI short)
+#              (no LTO, opt-level 0: what python/tests/test_wheel.py builds to keep
+#              CI short)
 #   --out      where the wheel and sdist go (default: ${CARGO_TARGET_DIR:-target}/wheels)
 # RANKEXEC_WHEEL_PROFILE and RANKEXEC_WHEEL_OUT set the same defaults, so that
 # python/tests/test_wheel.py runs the command docs/development.md shows as written.
@@ -39,7 +40,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --profile) PROFILE="${2:?--profile needs a value}"; shift 2 ;;
         --out) OUT="${2:?--out needs a value}"; shift 2 ;;
-        -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done

@@ -21,6 +21,13 @@ weight in place, and replies ``ArrayRecord(model.state_dict())``.
 - ``rankexec-shared``: as ``rankexec-ndarrays``, the reply made with
   ``rankexec.flower.shared_array_record`` (the tensors written once, straight into the
   memory file that leaves rank 0) instead of ``ArrayRecord(...)``.
+- ``rankexec-inplace``: the handler a model the ranks only read and rank 0 updates in
+  place is: ``ClientApp(arrays_to="rank0")`` (rank 0 alone receives the arrays, as its
+  own writable copy), ``ndarrays(record, writable=True)`` as its tensors (no model of
+  its own), ``shared_array_record`` of those same arrays as the reply (their files,
+  sealed, no copy). ``flower-inplace`` is its peer under Flower's own ``ClientApp``:
+  ``to_torch_state_dict()`` as the model (Flower's arrays are read-only ``bytes``),
+  updated in place, ``ArrayRecord(...)`` as the reply.
 - ``rankexec``: ``rankexec.flower.ClientApp(num_of_processes=--ranks)``: the same handler
   on every rank of the node's group; rank 0 trains and answers, the others answer at
   once. The handler is the same code both ways (the model is built for each message).
@@ -214,6 +221,12 @@ LOAD = {
         if k not in _model:
             _model[k] = torch.empty(a.shape, dtype=getattr(torch, str(a.dtype)))
         _model[k].numpy()[...] = a""",
+    "flower-inplace": """_model.update(msg.content["arrays"].to_torch_state_dict())""",
+    "rankexec-inplace": """from rankexec.flower import ndarrays
+
+    record = msg.content["arrays"]
+    writable = ndarrays(record, writable=True)  # rank 0's own files, in place
+    _model.update((k, torch.from_numpy(a)) for k, a in zip(record.keys(), writable, strict=True))""",
 }
 
 MAKE_APP = {
@@ -240,8 +253,12 @@ def write_app(root: Path, impl: str, ranks: int) -> Path:
     load = LOAD[
         "ndarrays" if impl in ("rankexec-ndarrays", "rankexec-shared") else "flower"
     ]
+    if impl in ("flower-inplace", "rankexec-inplace"):
+        load = LOAD[impl]
+    if impl == "rankexec-inplace":
+        make = make.replace("ClientApp(", 'ClientApp(arrays_to="rank0", ', 1)
     reply = "reply = ArrayRecord(_model)"
-    if impl == "rankexec-shared":
+    if impl in ("rankexec-shared", "rankexec-inplace"):
         reply = "from rankexec.flower import shared_array_record\n\n    reply = shared_array_record(_model)"
     text = CLIENT_APP.format(
         impl=impl, make_app=make, keep=keep, load="{load}", reply="{reply}"

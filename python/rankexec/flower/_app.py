@@ -53,6 +53,7 @@ class ClientApp(FlowerClientApp):
         resources: Mapping[str, Any] | None = None,
         deadlines: Mapping[str, Any] | None = None,
         restart: Mapping[str, Any] | None = None,
+        arrays_to: str = "all",
     ) -> None:
         """A Flower ClientApp whose handlers run on the node's rank group.
 
@@ -67,8 +68,17 @@ class ClientApp(FlowerClientApp):
                 only the site names devices.
             resources, deadlines, restart: rankexec's `resources`, `deadlines` and
                 `restart`, the app's own bounds (passed as they are).
+            arrays_to: who receives the message's arrays: `"all"` (default: every
+                rank, read-only views of one shared copy) or `"rank0"` (rank 0 alone,
+                as its own writable copy, taken part by part while the input is let
+                go: `ndarrays(record, writable=True)` updates it in place and
+                `shared_array_record` of those arrays sends it back without a copy;
+                the other ranks see the message's `ArrayRecord`s empty).
         """
+        if arrays_to not in ("all", "rank0"):
+            raise ValueError(f"arrays_to is 'all' or 'rank0', not {arrays_to!r}")
         super().__init__(client_fn=client_fn, mods=mods)
+        self._arrays_to = arrays_to
         caller = sys._getframe(1).f_globals
         self._module: str = caller.get("__name__", "__main__")
         self._file: str | None = caller.get("__file__")
@@ -123,6 +133,8 @@ class ClientApp(FlowerClientApp):
             "context": _codec.encode_context(context, blobs),
             "task_id": getattr(TaskIdentity, "_task_id", None),
         }
+        if self._arrays_to != "all":
+            spec["arrays_to"] = self._arrays_to
         _share_and_release(blobs, message, context)
         req = {
             "op": "execute",

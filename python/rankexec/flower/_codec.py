@@ -39,6 +39,7 @@ from flwr.app.message.message import make_message  # Message from its metadata
 
 __all__ = [
     "SPEC_BLOB",
+    "array_blobs",
     "decode_context",
     "decode_message",
     "decode_records",
@@ -47,6 +48,8 @@ __all__ = [
     "encode_records",
     "own_arrays",
     "releaser",
+    "split_shared",
+    "without_arrays",
 ]
 
 SPEC_BLOB = "__flower_spec__"
@@ -131,6 +134,45 @@ def decode_records(spec: list[Any], blobs: dict[str, Any]) -> RecordDict:
         else:
             raise ValueError(f"record {name!r} is of an unknown kind {kind!r}")
     return rd
+
+
+def array_blobs(spec: dict[str, Any]) -> list[str]:
+    """The blob names of a message spec's arrays (``encode_message``'s), in order, each
+    once; none for an error message."""
+    names: dict[str, None] = {}
+    for _name, kind, body in spec.get("content") or []:
+        if kind == "arrays":
+            for *_, blob in body:
+                names[str(blob)] = None
+    return list(names)
+
+
+def split_shared(spec: dict[str, Any], blobs: dict[str, Any], reserved: set[str]) -> list[str]:
+    """Gives every array of a message spec a blob name of its own (the same buffer in
+    ``blobs`` under a new name where the name is another array's, or ``reserved``),
+    rewriting the spec in place; returns the names, in order."""
+    names: list[str] = []
+    seen = set(reserved)
+    for _name, kind, body in spec.get("content") or []:
+        if kind != "arrays":
+            continue
+        for entry in body:
+            blob = str(entry[-1])
+            if blob in seen:
+                fresh = f"{blob}#{len(names)}"
+                blobs[fresh] = blobs[blob]
+                entry[-1] = blob = fresh
+            seen.add(blob)
+            names.append(blob)
+    return names
+
+
+def without_arrays(spec: dict[str, Any]) -> dict[str, Any]:
+    """A message spec whose ``ArrayRecord``s are empty (their names and order kept)."""
+    if "content" not in spec:
+        return spec
+    content = [[n, k, [] if k == "arrays" else body] for n, k, body in spec["content"]]
+    return {**spec, "content": content}
 
 
 def own_arrays(rd: RecordDict) -> RecordDict:

@@ -26,7 +26,7 @@ from typing import Any
 import rankexec
 from rankexec._rankexec import trim_heap
 from rankexec._staging import stage_in_parts
-from rankexec.flower import _channel, _codec, _state
+from rankexec.flower import _arrays, _channel, _codec, _state
 
 __all__ = ["FlowerRank"]
 
@@ -95,8 +95,14 @@ class FlowerRank:
 
         spec = _codec.unpack(input.blobs[_codec.SPEC_BLOB])
         app = self._app(spec["app"])
-        message = _codec.decode_message(spec["message"], input.blobs)
-        context = _codec.decode_context(spec["context"], input.blobs)
+        try:
+            if spec.get("arrays_to", "all") == "rank0":
+                _take_arrays(spec, input.blobs, ctx.rank)
+            message = _codec.decode_message(spec["message"], input.blobs)
+            context = _codec.decode_context(spec["context"], input.blobs)
+        except BaseException:
+            _arrays.release_owned()  # rank 0's copies, if it made them, go with the input
+            raise
         TaskIdentity.run_id = message.metadata.run_id
         TaskIdentity.node_id = context.node_id
         TaskIdentity.task_id = spec.get("task_id") or 0
@@ -112,6 +118,7 @@ class FlowerRank:
             raise
         finally:
             _state.current_abort = None
+            _arrays.release_owned()
             # What the handler freed (Flower's parsed copies, a model it let go of) leaves
             # the process now: tensors of 1-32 MiB sit in glibc's heap, resident, until
             # it is trimmed, and nothing else in this process would trim it.
@@ -135,3 +142,21 @@ class FlowerRank:
         if not reply.has_error():
             stage_in_parts(blobs, _channel.SHARE_FROM, _codec.releaser([reply.content]))
         return rankexec.Shareable(meta={"rank": 0}, blobs=blobs)
+
+
+def _take_arrays(spec: dict[str, Any], blobs: dict[str, Any], rank: int) -> None:
+    """``ClientApp(arrays_to="rank0")``: rank 0 takes the message's arrays as its own
+    writable copy (``_arrays.take_owned``), one copy for each array (arrays of equal
+    content travel as one blob; written in place they must not change together, nor
+    change an array of the context's state); every other rank lets go of them at once
+    and sees the message's ``ArrayRecord``s empty. The context's state, which every
+    rank reads, stays as it is."""
+    kept = set(_codec.array_blobs({"content": spec["context"]["state"]}))
+    if rank == 0:
+        _arrays.take_owned(blobs, _codec.split_shared(spec["message"], blobs, kept))
+        return
+    names = _codec.array_blobs(spec["message"])
+    spec["message"] = _codec.without_arrays(spec["message"])
+    for name in names:
+        if name not in kept:
+            blobs.pop(name, None)

@@ -186,7 +186,7 @@ class Run:
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 #: What a request's ``spec`` may hold: the message and context as ``_codec`` writes them.
-_SPEC_KEYS = {"message", "context", "task_id"}
+_SPEC_KEYS = {"message", "context", "task_id", "arrays_to"}
 
 
 def app_ref(app: Any) -> dict[str, str] | None:
@@ -215,6 +215,8 @@ def _spec(req: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
             f"the request's spec holds {extra}; a spec holds only {sorted(_SPEC_KEYS)}"
             " (the host names the run's app to its ranks)"
         )
+    if spec.get("arrays_to", "all") not in ("all", "rank0"):
+        return None, f"the request's spec has arrays_to {spec['arrays_to']!r}, not 'all' or 'rank0'"
     blobs = req.get("blobs")
     if not isinstance(blobs, Mapping) or not all(isinstance(k, str) for k in blobs):
         return None, "the request's blobs are not a map of names to buffers"
