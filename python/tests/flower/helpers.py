@@ -1,16 +1,61 @@
 """Process helpers for the Flower tests: the suite's own (python/tests/proc_checks.py),
-and ``leave_nothing``, every Deployment fixture's teardown."""
+``leave_nothing`` (every Deployment fixture's teardown), ``served_app`` (an app module
+of a test's own, served by a real host and ranks) and ``mapping_of``."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from proc_checks import pid_alive, pids_with_env, wait_until
 
-__all__ = ["leave_nothing", "pid_alive", "pids_with_env", "wait_until"]
+__all__ = [
+    "leave_nothing",
+    "mapping_of",
+    "pid_alive",
+    "pids_with_env",
+    "served_app",
+    "wait_until",
+]
+
+
+def served_app(tmp_path: Path, monkeypatch: Any, package: str, source: str) -> Iterator[Any]:
+    """A fixture's body: ``source`` as ``<package>.client_app`` in ``tmp_path/app``, its
+    ``app`` yielded (the node's host and ranks run under ``tmp_path/rx``); afterwards the
+    module is forgotten and the host, which outlives its group by its idle lease, is
+    stopped by SIGTERM (each pid verified by the test's folder in its environment)
+    until none is left."""
+    pkg = tmp_path / "app" / package
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "client_app.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path / "app"))
+    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
+    monkeypatch.setenv("RANKEXEC_LOG", "warn")
+    yield importlib.import_module(f"{package}.client_app").app
+    sys.modules.pop(f"{package}.client_app", None)
+    sys.modules.pop(package, None)
+    mine = str(tmp_path / "rx")
+    for pid in pids_with_env(mine):
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pids_with_env(mine), 30, "this test's host to exit")
+
+
+def mapping_of(address: int) -> tuple[str, int]:
+    """The path and inode of this process's mapping that holds ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                return (parts[5].strip() if len(parts) > 5 else ""), int(parts[4])
+    return "", 0
 
 
 def leave_nothing(root: Path, tag: str, timeout: float = 60.0) -> list[int]:

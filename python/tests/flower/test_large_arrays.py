@@ -8,8 +8,6 @@ reaches the ClientApp as its memory file, mapped, not copied. This process plays
 from __future__ import annotations
 
 import os
-import signal
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from rankexec.flower import CLOSE_MESSAGE_TYPE
 
-from .helpers import pids_with_env, wait_until
+from .helpers import mapping_of, served_app
 
 APP = """
 import os
@@ -90,37 +88,10 @@ def train(msg, context):
 
 @pytest.fixture
 def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    pkg = tmp_path / "app" / "bigapp"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "client_app.py").write_text(textwrap.dedent(APP))
-    monkeypatch.syspath_prepend(str(tmp_path / "app"))
-    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
-    monkeypatch.setenv("RANKEXEC_LOG", "warn")
-    import importlib
-
-    mod = importlib.import_module("bigapp.client_app")
-    yield mod.app
-    sys.modules.pop("bigapp.client_app", None)
-    sys.modules.pop("bigapp", None)
-    # The node's host outlives its group by its idle lease (300 s): stop it, and
-    # anything else of this test's folder, by SIGTERM (each pid verified by the test's
-    # own folder in its environment), then wait until none is left.
-    mine = str(tmp_path / "rx")
-    for pid in pids_with_env(mine):
-        os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not pids_with_env(mine), 30, "this test's host to exit")
+    yield from served_app(tmp_path, monkeypatch, "bigapp", textwrap.dedent(APP))
 
 
-def _mapping(address: int) -> tuple[str, int]:
-    """The path and inode of the mapping that holds `address` (as the app's twin)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= address < hi:
-                return (parts[5].strip() if len(parts) > 5 else ""), int(parts[4])
-    return "", 0
+_mapping = mapping_of  # the app's twin, in this process
 
 
 def test_an_array_record_lands_in_one_memory_file_and_the_reply_is_not_copied(app) -> None:
@@ -240,7 +211,6 @@ def _frame(head: bytes, descs: list[tuple[int, int, int]], n_fds: int) -> bytes:
 
 
 def test_the_channel_refuses_bad_memory_files_naming_why() -> None:
-    import os
     import pickle
     import socket
 
@@ -276,7 +246,6 @@ def test_the_channel_refuses_bad_memory_files_naming_why() -> None:
 
 
 def _fd_target(entry: str) -> str:
-    import os
 
     try:
         return os.readlink(f"/proc/self/fd/{entry}")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import sys
 import threading
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from rankexec.flower import CLOSE_MESSAGE_TYPE, ClientApp
 
-from .helpers import pids_with_env, wait_until
+from .helpers import mapping_of, pids_with_env, served_app, wait_until
 
 # The app: a module of its own (own_app.py), so that the guide can show it as it runs.
 APP = Path(__file__).with_name("own_app.py")
@@ -35,23 +33,7 @@ APP = Path(__file__).with_name("own_app.py")
 
 @pytest.fixture
 def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    pkg = tmp_path / "app" / "ownapp"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "client_app.py").write_text(APP.read_text())
-    monkeypatch.syspath_prepend(str(tmp_path / "app"))
-    monkeypatch.setenv("RANKEXEC_FLOWER_DIR", str(tmp_path / "rx"))
-    monkeypatch.setenv("RANKEXEC_LOG", "warn")
-    import importlib
-
-    mod = importlib.import_module("ownapp.client_app")
-    yield mod.app
-    sys.modules.pop("ownapp.client_app", None)
-    sys.modules.pop("ownapp", None)
-    mine = str(tmp_path / "rx")
-    for pid in pids_with_env(mine):
-        os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not pids_with_env(mine), 30, "this test's host to exit")
+    yield from served_app(tmp_path, monkeypatch, "ownapp", APP.read_text())
 
 
 def _memory_files(pids: list[int]) -> dict[int, int]:
@@ -87,16 +69,6 @@ def _memory_files(pids: list[int]) -> dict[int, int]:
                     continue
                 found[st.st_ino] = st.st_size
     return found
-
-
-def _mapping_inode(address: int) -> int:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= address < hi:
-                return int(parts[4])
-    return 0
 
 
 def _ask(app: ClientApp, arrays: list[np.ndarray], node: int, run: int, how: dict) -> Message:
@@ -167,7 +139,7 @@ def test_rank_0_owns_the_arrays_and_the_node_holds_them_once(app, tmp_path: Path
             assert a.shape == (1024, 1024) and a.dtype == np.float32
             assert a[0, 0] == i + 1 and a[-1, -1] == i + 1
             address = np.frombuffer(arr.data, dtype=np.uint8).ctypes.data
-            assert _mapping_inode(address) in info["inodes"], "rank 0's own file, not a copy"
+            assert mapping_of(address)[1] in info["inodes"], "rank 0's own file, not a copy"
     finally:
         _close(app, node, run)
 
@@ -187,7 +159,7 @@ def test_arrays_that_are_not_the_messages_are_copied(app) -> None:
         back = reply.content["arrays"]
         assert list(back.keys()) == ["0", "1", "2", "extra", "flat0"]
         where = {
-            k: _mapping_inode(np.frombuffer(v.data, dtype=np.uint8).ctypes.data)
+            k: mapping_of(np.frombuffer(v.data, dtype=np.uint8).ctypes.data)[1]
             for k, v in back.items()
         }
         assert {where[k] for k in "012"} <= set(info["inodes"]), (where, info["inodes"])
